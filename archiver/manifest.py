@@ -1,0 +1,238 @@
+"""`MAR-INF/MANIFEST.json`: TorchServe's keys plus a `scriptserve` section.
+
+TorchServe's `torch-model-archiver` writes::
+
+    {"createdOn": "17/03/2025 10:00:00", "runtime": "python", "archiverVersion": "0.12.0",
+     "model": {"modelName": "m", "modelVersion": "1.0", "serializedFile": "model.pt",
+               "handler": "image_classifier", ...}}
+
+scriptserve archives add `"scriptserve": {"modelFormat": ..., "files": {name: sha256}, ...}`.
+Archives without that section (made by TorchServe) still load: the format then comes from the
+serialized file's extension.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from archiver import __version__
+from archiver.signature import Signature, SignatureError
+
+MANIFEST_PATH = "MAR-INF/MANIFEST.json"
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")
+CREATED_ON_FORMAT = "%d/%m/%Y %H:%M:%S"
+FORMAT_VERSION = 1
+
+ModelFormat = Literal["torchscript", "onnx"]
+MODEL_FORMATS: tuple[ModelFormat, ...] = ("torchscript", "onnx")
+_FORMAT_BY_SUFFIX: dict[str, ModelFormat] = {
+    ".pt": "torchscript",
+    ".pth": "torchscript",
+    ".torchscript": "torchscript",
+    ".onnx": "onnx",
+}
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed or inconsistent; the message says what to fix."""
+
+
+def check_model_name(name: str) -> str:
+    """Return `name` if it is a valid model name, else raise ManifestError."""
+    if not MODEL_NAME_PATTERN.match(name):
+        raise ManifestError(
+            f"invalid model name {name!r}: use letters, digits, '_', '-' and '.', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def format_for_file(filename: str) -> ModelFormat:
+    """The model format implied by a serialized file's extension."""
+    lower = filename.lower()
+    for suffix, fmt in _FORMAT_BY_SUFFIX.items():
+        if lower.endswith(suffix):
+            return fmt
+    raise ManifestError(
+        f"cannot tell the model format of {filename!r}: "
+        "expected a TorchScript file (.pt, .pth) or an ONNX file (.onnx)"
+    )
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the serialized model was quantized; `mode` is "none" for a float model."""
+
+    mode: str = "none"
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, **self.details}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Quantization:
+        if not data:
+            return cls()
+        rest = {k: v for k, v in data.items() if k != "mode"}
+        return cls(str(data.get("mode", "none")), rest)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The `model` object of TorchServe's manifest."""
+
+    model_name: str
+    model_version: str
+    handler: str
+    serialized_file: str | None = None
+    model_file: str | None = None
+    requirements_file: str | None = None
+    config_file: str | None = None
+    extensions: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        raw = {
+            "modelName": self.model_name,
+            "modelVersion": self.model_version,
+            "handler": self.handler,
+            "serializedFile": self.serialized_file,
+            "modelFile": self.model_file,
+            "requirementsFile": self.requirements_file,
+            "configFile": self.config_file,
+            "extensions": self.extensions,
+        }
+        return {k: v for k, v in raw.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
+        for key in ("modelName", "handler"):
+            if not isinstance(data.get(key), str) or not data[key]:
+                raise ManifestError(f"manifest model.{key} is missing or not a string")
+        return cls(
+            model_name=data["modelName"],
+            model_version=str(data.get("modelVersion", "1.0")),
+            handler=data["handler"],
+            serialized_file=data.get("serializedFile") or None,
+            model_file=data.get("modelFile") or None,
+            requirements_file=data.get("requirementsFile") or None,
+            config_file=data.get("configFile") or None,
+            extensions=data.get("extensions") or None,
+        )
+
+
+@dataclass(frozen=True)
+class ScriptserveInfo:
+    """The `scriptserve` section: what TorchServe's manifest cannot say."""
+
+    model_format: ModelFormat
+    files: dict[str, str]
+    signature: Signature = field(default_factory=Signature)
+    quantization: Quantization = field(default_factory=Quantization)
+    sample_input: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "formatVersion": FORMAT_VERSION,
+            "modelFormat": self.model_format,
+            "files": dict(sorted(self.files.items())),
+            "signature": self.signature.to_dict(),
+            "quantization": self.quantization.to_dict(),
+        }
+        if self.sample_input:
+            data["sampleInput"] = self.sample_input
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScriptserveInfo:
+        fmt = data.get("modelFormat")
+        if fmt not in MODEL_FORMATS:
+            raise ManifestError(f"manifest scriptserve.modelFormat must be one of {MODEL_FORMATS}")
+        files = data.get("files")
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+        ):
+            raise ManifestError("manifest scriptserve.files must map file names to SHA-256 hex")
+        try:
+            signature = Signature.from_dict(data.get("signature") or {})
+        except SignatureError as exc:
+            raise ManifestError(f"manifest scriptserve.signature: {exc}") from None
+        return cls(
+            model_format=fmt,
+            files=dict(files),
+            signature=signature,
+            quantization=Quantization.from_dict(data.get("quantization")),
+            sample_input=data.get("sampleInput") or None,
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A whole `MANIFEST.json`. `scriptserve` is None for archives made by TorchServe."""
+
+    model: ModelInfo
+    created_on: str = field(
+        default_factory=lambda: datetime.now(timezone.utc).strftime(CREATED_ON_FORMAT)
+    )
+    runtime: str = "python"
+    archiver_version: str = __version__
+    scriptserve: ScriptserveInfo | None = None
+
+    @property
+    def model_format(self) -> ModelFormat:
+        """The model format: recorded by scriptserve, else implied by the serialized file."""
+        if self.scriptserve is not None:
+            return self.scriptserve.model_format
+        if not self.model.serialized_file:
+            raise ManifestError("the manifest names no serialized model file")
+        return format_for_file(self.model.serialized_file)
+
+    @property
+    def signature(self) -> Signature:
+        return self.scriptserve.signature if self.scriptserve else Signature()
+
+    def with_scriptserve(self, info: ScriptserveInfo) -> Manifest:
+        return replace(self, scriptserve=info)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "createdOn": self.created_on,
+            "runtime": self.runtime,
+            "model": self.model.to_dict(),
+            "archiverVersion": self.archiver_version,
+        }
+        if self.scriptserve is not None:
+            data["scriptserve"] = self.scriptserve.to_dict()
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        if not isinstance(data, dict):
+            raise ManifestError("the manifest must be a JSON object")
+        model = data.get("model")
+        if not isinstance(model, dict):
+            raise ManifestError("the manifest has no 'model' object")
+        section = data.get("scriptserve")
+        if section is not None and not isinstance(section, dict):
+            raise ManifestError("manifest 'scriptserve' must be an object")
+        return cls(
+            model=ModelInfo.from_dict(model),
+            created_on=str(data.get("createdOn", "")),
+            runtime=str(data.get("runtime", "python")),
+            archiver_version=str(data.get("archiverVersion", "")),
+            scriptserve=ScriptserveInfo.from_dict(section) if section is not None else None,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{MANIFEST_PATH} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)

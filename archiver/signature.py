@@ -1,0 +1,167 @@
+"""Input/output signature of a model: tensor names, Open Inference Protocol datatypes, shapes.
+
+A dimension of -1 is dynamic (the batch dimension, or any other a model accepts at any size).
+
+>>> spec = TensorSpec("input0", "FP32", (-1, 512))
+>>> spec.accepts_shape((3, 512))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# OIP datatype name <-> numpy dtype. BYTES tensors are numpy object arrays of bytes.
+_NUMPY_BY_DATATYPE: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(np.object_),
+}
+_DATATYPE_BY_NUMPY: dict[np.dtype[Any], str] = {v: k for k, v in _NUMPY_BY_DATATYPE.items()}
+
+DATATYPES: tuple[str, ...] = (*_NUMPY_BY_DATATYPE, "BF16")
+
+
+class SignatureError(ValueError):
+    """A signature, datatype or shape that cannot be used; the message says what to fix."""
+
+
+def numpy_dtype(datatype: str) -> np.dtype[Any]:
+    """The numpy dtype for an OIP datatype name (BF16 has none in numpy)."""
+    try:
+        return _NUMPY_BY_DATATYPE[datatype]
+    except KeyError:
+        known = ", ".join(_NUMPY_BY_DATATYPE)
+        raise SignatureError(f"unsupported datatype {datatype!r}; use one of {known}") from None
+
+
+def datatype_of(dtype: np.dtype[Any] | type) -> str:
+    """The OIP datatype name of a numpy dtype."""
+    dt = np.dtype(dtype)
+    if dt.kind in ("S", "U", "O"):
+        return "BYTES"
+    try:
+        return _DATATYPE_BY_NUMPY[dt]
+    except KeyError:
+        raise SignatureError(f"numpy dtype {dt} has no Open Inference Protocol datatype") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a signature."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.datatype not in DATATYPES:
+            raise SignatureError(f"tensor {self.name!r}: unknown datatype {self.datatype!r}")
+        if any(d < -1 for d in self.shape):
+            raise SignatureError(f"tensor {self.name!r}: dimensions must be >= -1")
+
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool:
+        """True when `shape` has this rank and matches every fixed dimension."""
+        if len(shape) != len(self.shape):
+            return False
+        return all(want in (-1, got) for want, got in zip(self.shape, shape, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TensorSpec:
+        try:
+            return cls(
+                str(data["name"]), str(data["datatype"]), tuple(int(d) for d in data["shape"])
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SignatureError(f"tensor spec needs name, datatype and shape: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Inputs and outputs of a model, in the order the model takes and returns them."""
+
+    inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Signature:
+        return cls(
+            tuple(TensorSpec.from_dict(t) for t in data.get("inputs", [])),
+            tuple(TensorSpec.from_dict(t) for t in data.get("outputs", [])),
+        )
+
+
+def arrays_from_json(
+    data: Any, signature: Signature, default_datatype: str = "FP32"
+) -> dict[str, np.ndarray]:
+    """Turn one JSON instance into a batch of one, named by the signature.
+
+    A JSON array is one instance of the model's single input; a JSON object maps input names to
+    one instance each. Datatypes come from the signature, else `default_datatype`.
+
+    >>> arrays_from_json([1.0, 2.0], Signature((TensorSpec("x", "FP32", (-1, 2)),)))["x"].shape
+    (1, 2)
+    """
+    if isinstance(data, dict):
+        items = list(data.items())
+    elif isinstance(data, list):
+        if len(signature.inputs) > 1:
+            names = ", ".join(t.name for t in signature.inputs)
+            raise SignatureError(
+                f"the model takes {len(signature.inputs)} inputs ({names}); "
+                "send a JSON object with one array per input name"
+            )
+        name = signature.inputs[0].name if signature.inputs else "input0"
+        items = [(name, data)]
+    else:
+        raise SignatureError("input must be a JSON array (one instance) or an object of arrays")
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in items:
+        spec = signature.input(name)
+        if signature.inputs and spec is None:
+            known = ", ".join(t.name for t in signature.inputs)
+            raise SignatureError(f"unknown input {name!r}; the model's inputs are {known}")
+        datatype = spec.datatype if spec else default_datatype
+        try:
+            array = np.asarray(value, dtype=numpy_dtype(datatype))[np.newaxis, ...]
+        except (ValueError, TypeError) as exc:
+            raise SignatureError(
+                f"input {name!r} is not a rectangular {datatype} array: {exc}"
+            ) from None
+        if spec is not None and not spec.accepts_shape(array.shape):
+            want = [d for d in spec.shape[1:]]
+            raise SignatureError(
+                f"input {name!r} has shape {list(array.shape[1:])} per instance; "
+                f"the model expects {want} (-1 = any size)"
+            )
+        arrays[name] = array
+    missing = [t.name for t in signature.inputs if t.name not in arrays]
+    if missing:
+        raise SignatureError(f"missing input(s): {', '.join(missing)}")
+    return arrays

@@ -1,0 +1,62 @@
+"""Model backends: load a TorchScript or ONNX file onto a device and run named-tensor batches.
+
+Both runtimes release the GIL while the model runs, so N worker threads use N cores. Thread
+counts are set explicitly (intra-op threads per call, one inter-op thread) so that
+workers x intra-op threads stays within the cores the server was given.
+
+>>> backend = load_backend(Path("model.onnx"), "onnx", device="cpu", intra_op_threads=1)
+>>> backend.run({"x": np.ones((4, 8), np.float32)})["y"].shape
+(4, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from archiver.manifest import ModelFormat
+
+
+class BackendError(RuntimeError):
+    """A model that fails to load or to run; the message says what failed."""
+
+
+class ModelBackend(Protocol):
+    """A loaded model. `run` is called from worker threads, concurrently."""
+
+    device: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """('cpu', 0) or ('cuda', N) from 'cpu' / 'cuda' / 'cuda:N'."""
+    if device == "cpu":
+        return "cpu", 0
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index or 0)
+    raise BackendError(f"unknown device {device!r}; use 'cpu' or 'cuda:N'")
+
+
+def load_backend(
+    path: Path,
+    fmt: ModelFormat,
+    device: str = "cpu",
+    intra_op_threads: int = 1,
+    options: Mapping[str, Any] | None = None,
+) -> ModelBackend:
+    """Load a model file with the backend for its format."""
+    parse_device(device)
+    if fmt == "onnx":
+        from handlers.backends.onnx import OnnxBackend
+
+        return OnnxBackend(path, device, intra_op_threads, options or {})
+    from handlers.backends.torchscript import TorchScriptBackend
+
+    return TorchScriptBackend(path, device, intra_op_threads, options or {})

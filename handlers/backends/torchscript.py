@@ -1,0 +1,94 @@
+"""TorchScript backend: `torch.jit.load` onto a device; the interpreter runs without the GIL.
+
+On CUDA, inputs go through pinned memory with non-blocking copies, and `precision: fp16` in the
+model config runs the model under fp16 autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from archiver.model_file import ModelFileError, name_torchscript_outputs
+from handlers.backends import BackendError, parse_device
+
+_threads_lock = threading.Lock()
+
+
+def configure_threads(intra_op_threads: int) -> None:
+    """Set torch's intra-op threads, and one inter-op thread where torch still allows it."""
+    with _threads_lock:
+        if torch.get_num_threads() != intra_op_threads:
+            torch.set_num_threads(intra_op_threads)
+        # Only settable before the first inter-op work; after that it is already fixed.
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(1)
+
+
+def interpreter_message(exc: BaseException) -> str:
+    """The error itself, without the TorchScript interpreter's serialized-code traceback."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith("RuntimeError:"):
+            return line.removeprefix("RuntimeError:").strip()
+    return lines[-1] if lines else type(exc).__name__
+
+
+class TorchScriptBackend:
+    def __init__(
+        self, path: Path, device: str, intra_op_threads: int, options: Mapping[str, Any]
+    ) -> None:
+        kind, index = parse_device(device)
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise BackendError(f"device {device} requested but CUDA is not available")
+        self.device = device
+        self._torch_device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+        configure_threads(intra_op_threads)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = torch.jit.load(  # type: ignore[no-untyped-call]
+                    str(path), map_location=self._torch_device
+                )
+        except Exception as exc:
+            raise BackendError(f"the TorchScript model does not load: {exc}") from None
+        self.module = module.eval()
+        self.input_names = tuple(a.name for a in module.forward.schema.arguments[1:])
+        self.output_names: tuple[str, ...] = ()
+        fp16 = str(options.get("precision", "")).lower() == "fp16"
+        self._autocast = kind == "cuda" and fp16
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self._torch_device.type == "cuda":
+            return tensor.pin_memory().to(self._torch_device, non_blocking=True)
+        return tensor
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise BackendError(f"missing model input(s): {', '.join(missing)}")
+        args = [self._to_device(inputs[n]) for n in self.input_names]
+        autocast = torch.autocast("cuda", dtype=torch.float16) if self._autocast else nullcontext()
+        with torch.inference_mode(), autocast:
+            try:
+                outputs = name_torchscript_outputs(self.module(*args))
+            except ModelFileError as exc:
+                raise BackendError(str(exc)) from None
+            except RuntimeError as exc:
+                raise BackendError(f"the model failed: {interpreter_message(exc)}") from None
+        result = {}
+        for name, tensor in outputs.items():
+            t = tensor.detach()
+            if t.dtype in (torch.float16, torch.bfloat16):
+                t = t.float()  # numpy has no bf16; fp16 autocast outputs go back as fp32
+            result[name] = t.cpu().numpy()
+        return result

@@ -1,0 +1,140 @@
+"""The handler API: requests in, one response per request out.
+
+A handler turns a batch of protocol-neutral `InferenceRequest`s into one `InferenceResponse` each::
+
+    class Doubler(BaseHandler):
+        def preprocess(self, requests):
+            return np.concatenate([r.inputs["x"] for r in requests])
+        def inference(self, batch):
+            return batch * 2
+        def postprocess(self, outputs):
+            return [InferenceResponse(outputs={"y": row[None]}) for row in outputs]
+
+`handle` runs preprocess -> inference -> postprocess and checks that postprocess returned one
+result per request. A handler that cannot batch sets `supports_batching = False`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from archiver.manifest import Manifest
+from archiver.signature import Signature
+
+
+class HandlerError(Exception):
+    """A failure a handler reports for a whole batch; `status` is the HTTP-style status."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class InferenceRequest:
+    """One request as a handler sees it, whatever protocol it came in on.
+
+    `inputs` holds named tensors (each with its batch dimension first) for tensor protocols;
+    `body` and `content_type` hold the raw payload of TorchServe-style `/predictions` calls.
+    """
+
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    body: bytes | None = None
+    content_type: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class InferenceResponse:
+    """One request's result: named output tensors and/or a JSON-able or bytes `body`.
+
+    A response with `error` set fails only its own request, with `status` (4xx for bad input).
+    """
+
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    body: Any = None
+    content_type: str | None = None
+    error: str | None = None
+    status: int = 200
+
+    @classmethod
+    def failed(cls, message: str, status: int = 400) -> InferenceResponse:
+        return cls(error=message, status=status)
+
+
+@dataclass
+class Context:
+    """What a handler knows about the model it serves and where it runs."""
+
+    model_name: str
+    model_version: str
+    model_dir: Path
+    manifest: Manifest
+    model_config: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    batch_size: int = 1
+    intra_op_threads: int = 1
+
+    @property
+    def signature(self) -> Signature:
+        return self.manifest.signature
+
+    @property
+    def serialized_file(self) -> Path:
+        name = self.manifest.model.serialized_file
+        if not name:
+            raise HandlerError("the archive names no serialized model file")
+        return self.model_dir / name
+
+
+class BaseHandler:
+    """Loads the archive's model onto the context's device and runs batches through it."""
+
+    supports_batching: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.context: Context | None = None
+        self.model: Any = None
+
+    def initialize(self, context: Context) -> None:
+        """Load the model. Called once per worker before any request."""
+        from handlers.backends import load_backend
+
+        self.context = context
+        self.model = load_backend(
+            context.serialized_file,
+            context.manifest.model_format,
+            device=context.device,
+            intra_op_threads=context.intra_op_threads,
+            options=context.model_config,
+        )
+
+    def preprocess(self, requests: list[InferenceRequest]) -> Any:
+        return requests
+
+    def inference(self, batch: Any) -> Any:
+        return self.model.run(batch)
+
+    def postprocess(self, outputs: Any) -> list[InferenceResponse]:
+        return list(outputs)
+
+    def handle(self, requests: list[InferenceRequest], context: Context) -> list[InferenceResponse]:
+        """Run one batch; always returns exactly one response per request."""
+        self.context = context
+        results = self.postprocess(self.inference(self.preprocess(requests)))
+        if not isinstance(results, list) or len(results) != len(requests):
+            got = len(results) if isinstance(results, list) else type(results).__name__
+            raise HandlerError(
+                f"{type(self).__name__}.postprocess returned {got} results for a batch of "
+                f"{len(requests)} requests; it must return a list with one result per request"
+            )
+        return results

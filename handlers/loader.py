@@ -1,0 +1,108 @@
+"""Find, build and initialize the handler an archive asks for.
+
+`model.handler` in the manifest is a built-in name (`tensor`) or a Python file in the archive
+(`my_handler.py`, or `my_handler.py:MyHandler` to pick a class). A file must define exactly one
+`BaseHandler` subclass unless the class is named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from archiver.manifest import Manifest
+from handlers.base import BaseHandler, Context, HandlerError
+
+BUILTIN_HANDLERS: dict[str, str] = {
+    "tensor": "handlers.tensor:TensorHandler",
+}
+
+
+def read_model_config(root: Path, manifest: Manifest) -> dict[str, Any]:
+    """The archive's model config YAML (safe_load only), or {} when it has none."""
+    name = manifest.model.config_file
+    if not name:
+        return {}
+    path = root / name
+    if not path.is_file():
+        raise HandlerError(f"the archive's config file {name!r} is missing")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise HandlerError(f"the archive's config file {name!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise HandlerError(f"the archive's config file {name!r} must hold a mapping")
+    return data
+
+
+def _import_file(path: Path, model_dir: Path) -> Any:
+    # A unique module name per archive file: two models with a handler.py must not collide.
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module_name = f"scriptserve_handler_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise HandlerError(f"handler file {path.name!r} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    # The handler may import helper modules shipped beside it in the archive.
+    sys.path.insert(0, str(model_dir))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise HandlerError(f"handler file {path.name!r} failed to import: {exc!r}") from None
+    finally:
+        sys.path.remove(str(model_dir))
+    sys.modules[module_name] = module
+    return module
+
+
+def handler_class(handler: str, model_dir: Path) -> type[BaseHandler]:
+    """Resolve the manifest's handler entry to a BaseHandler subclass."""
+    if handler in BUILTIN_HANDLERS:
+        module_name, _, attr = BUILTIN_HANDLERS[handler].partition(":")
+        cls: type[BaseHandler] = getattr(importlib.import_module(module_name), attr)
+        return cls
+    filename, _, attr = handler.partition(":")
+    if not filename.endswith(".py"):
+        filename += ".py"
+    path = model_dir / Path(filename).name
+    if not path.is_file():
+        known = ", ".join(BUILTIN_HANDLERS)
+        raise HandlerError(
+            f"handler {handler!r} is neither a built-in ({known}) nor a file in the archive"
+        )
+    module = _import_file(path, model_dir)
+    if attr:
+        found = getattr(module, attr, None)
+        if not (inspect.isclass(found) and issubclass(found, BaseHandler)):
+            raise HandlerError(f"{filename} has no BaseHandler subclass named {attr!r}")
+        return found
+    classes = [
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if issubclass(c, BaseHandler) and c.__module__ == module.__name__
+    ]
+    if len(classes) != 1:
+        raise HandlerError(
+            f"{filename} defines {len(classes)} BaseHandler subclasses; define exactly one, "
+            f"or name it as {filename}:ClassName"
+        )
+    return classes[0]
+
+
+def load_handler(context: Context) -> BaseHandler:
+    """Build the archive's handler and initialize it for `context`."""
+    cls = handler_class(context.manifest.model.handler, context.model_dir)
+    handler = cls()
+    handler.initialize(context)
+    return handler

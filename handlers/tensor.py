@@ -1,0 +1,140 @@
+"""The default handler: named tensors in, named tensors out, batched across requests.
+
+Each request brings named numpy tensors (OIP) or a JSON body (TorchServe-style `/predictions`:
+an array is one instance of the model's single input, an object maps input names to one
+instance each). Requests whose tensors have the same per-row shapes are concatenated along
+dim 0 and run together; outputs are split back by each request's row count. A request that does
+not fit the model's signature fails alone, with a message naming the input and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
+from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest, InferenceResponse
+
+
+@dataclass
+class _Item:
+    index: int
+    arrays: dict[str, np.ndarray]
+    rows: int
+    from_json: bool
+
+
+@dataclass
+class TensorBatch:
+    """Decoded requests, grouped by per-row shapes, plus the per-request failures."""
+
+    size: int
+    groups: list[list[_Item]] = field(default_factory=list)
+    errors: dict[int, InferenceResponse] = field(default_factory=dict)
+    outputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+class TensorHandler(BaseHandler):
+    def initialize(self, context: Context) -> None:
+        super().initialize(context)
+        self.signature: Signature = context.signature
+
+    # -- preprocess ---------------------------------------------------------------------------
+    def _decode(self, request: InferenceRequest) -> tuple[dict[str, np.ndarray], bool]:
+        if request.inputs:
+            return self._check_tensors(request.inputs), False
+        if request.body is None:
+            raise SignatureError("the request has no input tensors and no body")
+        try:
+            data = json.loads(request.body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SignatureError(f"the body is not valid JSON: {exc}") from None
+        return self._bind_names(arrays_from_json(data, self.signature)), True
+
+    def _check_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self.signature.inputs:
+            return self._bind_names(tensors)
+        for name, array in tensors.items():
+            spec = self.signature.input(name)
+            if spec is None:
+                known = ", ".join(t.name for t in self.signature.inputs)
+                raise SignatureError(f"unknown input {name!r}; the model's inputs are {known}")
+            got = datatype_of(array.dtype)
+            if got != spec.datatype:
+                raise SignatureError(
+                    f"input {name!r} has datatype {got}; the model expects {spec.datatype}"
+                )
+            if not spec.accepts_shape(array.shape):
+                raise SignatureError(
+                    f"input {name!r} has shape {list(array.shape)}; the model expects "
+                    f"{list(spec.shape)} (-1 = any size)"
+                )
+        missing = [t.name for t in self.signature.inputs if t.name not in tensors]
+        if missing:
+            raise SignatureError(f"missing input(s): {', '.join(missing)}")
+        return tensors
+
+    def _bind_names(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Without a recorded signature, generic names map to the model's inputs in order."""
+        names = self.model.input_names
+        if set(arrays) != set(names) and len(arrays) == len(names):
+            return dict(zip(names, arrays.values(), strict=True))
+        return arrays
+
+    def preprocess(self, requests: list[InferenceRequest]) -> TensorBatch:
+        batch = TensorBatch(size=len(requests))
+        groups: dict[tuple[object, ...], list[_Item]] = {}
+        for i, request in enumerate(requests):
+            try:
+                arrays, from_json = self._decode(request)
+                rows = {a.shape[0] if a.ndim else 0 for a in arrays.values()}
+                if len(rows) != 1 or 0 in rows:
+                    raise SignatureError("every input needs the same number of rows (dim 0) >= 1")
+            except SignatureError as exc:
+                batch.errors[i] = InferenceResponse.failed(str(exc), 400)
+                continue
+            key = tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in arrays.items()))
+            groups.setdefault(key, []).append(_Item(i, arrays, rows.pop(), from_json))
+        batch.groups = list(groups.values())
+        return batch
+
+    # -- inference ----------------------------------------------------------------------------
+    def inference(self, batch: TensorBatch) -> TensorBatch:
+        for group in batch.groups:
+            names = group[0].arrays.keys()
+            if len(group) == 1:
+                feed = group[0].arrays
+            else:
+                feed = {n: np.concatenate([item.arrays[n] for item in group]) for n in names}
+            outputs = self.model.run(feed)
+            total = sum(item.rows for item in group)
+            for name, out in outputs.items():
+                if out.ndim == 0 or out.shape[0] != total:
+                    raise HandlerError(
+                        f"model output {name!r} has shape {list(out.shape)} for a batch of "
+                        f"{total} rows; the tensor handler needs outputs with the batch first"
+                    )
+            start = 0
+            for item in group:
+                end = start + item.rows
+                batch.outputs[item.index] = {n: o[start:end] for n, o in outputs.items()}
+                start = end
+        return batch
+
+    # -- postprocess --------------------------------------------------------------------------
+    def postprocess(self, outputs: TensorBatch) -> list[InferenceResponse]:
+        from_json = {item.index for group in outputs.groups for item in group if item.from_json}
+        results = []
+        for i in range(outputs.size):
+            if i in outputs.errors:
+                results.append(outputs.errors[i])
+                continue
+            tensors = outputs.outputs[i]
+            body = None
+            if i in from_json:
+                rows = {n: t[0].tolist() for n, t in tensors.items()}
+                body = next(iter(rows.values())) if len(rows) == 1 else rows
+            results.append(InferenceResponse(outputs=tensors, body=body))
+        return results

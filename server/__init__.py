@@ -1,0 +1,1 @@
+"""The serving process and the `scriptserve` command."""
