@@ -11,7 +11,9 @@ A handler turns a batch of protocol-neutral `InferenceRequest`s into one `Infere
             return [InferenceResponse(outputs={"y": row[None]}) for row in outputs]
 
 `handle` runs preprocess -> inference -> postprocess and checks that postprocess returned one
-result per request. A handler that cannot batch sets `supports_batching = False`.
+result per request. A handler that cannot batch sets `supports_batching = False`. A handler that
+keeps no per-batch state on `self` sets `thread_safe = True`: the workers on one device then share
+one instance, and one copy of the model's weights.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ class InferenceRequest:
     """One request as a handler sees it, whatever protocol it came in on.
 
     `inputs` holds named tensors (each with its batch dimension first) for tensor protocols;
-    `body` and `content_type` hold the raw payload of TorchServe-style `/predictions` calls.
+    `body` and `content_type` hold the raw payload of TorchServe-style `/predictions` calls;
+    `fields` the parts of a multipart body by name.
     """
 
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     body: bytes | None = None
     content_type: str | None = None
+    fields: dict[str, bytes] = field(default_factory=dict)
     parameters: dict[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -100,6 +104,7 @@ class BaseHandler:
     """Loads the archive's model onto the context's device and runs batches through it."""
 
     supports_batching: ClassVar[bool] = True
+    thread_safe: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.context: Context | None = None

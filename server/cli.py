@@ -1,13 +1,15 @@
-"""`scriptserve`: archive tools and in-process prediction.
+"""`scriptserve`: serve models, build and check archives, predict in-process.
 
-scriptserve archive create|inspect|verify ...
-scriptserve predict ARCHIVE --input FILE.json
+- `scriptserve serve --model-store DIR --models all`
+- `scriptserve archive create|inspect|verify ...`
+- `scriptserve predict ARCHIVE --input FILE.json`
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +19,7 @@ from archiver.cli import USER_ERRORS, add_archive_subcommands, fail, run_archive
 from handlers.backends import BackendError
 from handlers.base import Context, HandlerError, InferenceRequest
 from handlers.loader import load_handler, read_model_config
+from server.settings import load_settings
 
 
 def predict(archive: Path, input_file: Path, device: str) -> object:
@@ -43,9 +46,61 @@ def predict(archive: Path, input_file: Path, device: str) -> object:
     return {name: tensor.tolist() for name, tensor in response.outputs.items()}
 
 
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Command-line settings; each overrides the YAML file and SCRIPTSERVE_* variables."""
+    p.add_argument("--config", type=Path, help="YAML settings file")
+    p.add_argument("--model-store", type=Path, help="directory of archives (default ./model_store)")
+    p.add_argument("--models", nargs="+", help="all | NAME=FILE | FILE ... (default all)")
+    p.add_argument("--inference-address", help="HOST:PORT (default 127.0.0.1:8080)")
+    p.add_argument("--management-address", help="HOST:PORT (default 127.0.0.1:8081)")
+    p.add_argument("--metrics-address", help="HOST:PORT (default 127.0.0.1:8082)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--workers", dest="workers_per_model", type=int, help="workers per model")
+    p.add_argument("--intra-op-threads", type=int, help="threads per worker's model call")
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--max-batch-delay", dest="max_batch_delay_ms", type=float, help="milliseconds")
+    p.add_argument("--queue-size", type=int, help="waiting requests per model before 503")
+    p.add_argument("--response-timeout", dest="response_timeout_s", type=float, help="seconds")
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds")
+    p.add_argument(
+        "--enable-model-api",
+        action="store_true",
+        default=None,
+        help="allow register/unregister through the management API",
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+_SERVE_KEYS = (
+    "model_store", "models", "inference_address", "management_address", "metrics_address",
+    "device", "workers_per_model", "intra_op_threads", "max_batch_size", "max_batch_delay_ms",
+    "queue_size", "response_timeout_s", "drain_timeout_s", "enable_model_api", "log_level",
+)  # fmt: skip
+
+
+def serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from server.app import StartupError, run
+
+    try:
+        settings = load_settings(args.config, **{k: getattr(args, k) for k in _SERVE_KEYS})
+    except (ValidationError, ValueError) as exc:
+        fail("scriptserve serve", f"invalid settings: {exc}")
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run(settings)
+    except StartupError as exc:
+        fail("scriptserve serve", str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scriptserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(sub.add_parser("serve", help="serve the models of a model store"))
     add_archive_subcommands(sub.add_parser("archive", help="create, inspect or verify archives"))
     p = sub.add_parser("predict", help="run one prediction in-process and print it as JSON")
     p.add_argument("archive", type=Path)
@@ -63,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "archive":
         return run_archive_command(args, "scriptserve archive")
+    if args.command == "serve":
+        return serve(args)
     try:
         result = predict(args.archive, args.input, args.device)
     except (*USER_ERRORS, HandlerError, BackendError) as exc:

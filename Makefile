@@ -1,0 +1,28 @@
+# One place for the project's commands. The README's two set-up commands are `make demo` and
+# `make test`; .ci/run calls `make lint` and `make test`.
+PYTHON ?= python3
+DEMO_DIR ?= build/demo
+
+.PHONY: install demo test lint bench
+
+install:
+	$(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+
+# Build the demo archive into model_store/ and run one prediction through it.
+demo: install
+	$(PYTHON) scripts/demo_model.py $(DEMO_DIR)
+	model-archiver --model-name demo --version 1.0 --serialized-file $(DEMO_DIR)/demo.pt \
+		--handler tensor --sample-input $(DEMO_DIR)/sample.json --export-path model_store -f
+	scriptserve archive verify model_store/demo.mar
+	scriptserve predict model_store/demo.mar --input $(DEMO_DIR)/sample.json
+
+test: install
+	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+lint: install
+	ruff check .
+	ruff format --check .
+	mypy
+
+bench: install
+	$(PYTHON) benchmarks/handler_threads.py

@@ -1,0 +1,148 @@
+"""Start everything in one asyncio loop: three HTTP apps (uvicorn) sharing one data plane.
+
+The HTTP servers start first, so liveness answers while models load; readiness follows the
+models. SIGTERM / SIGINT: readiness turns 503, the listeners close, in-flight requests finish
+(up to the drain timeout), queued work drains, workers stop, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.dataplane import DataPlane
+from server.metrics import ServerMetrics
+from server.registry import ModelRegistry, find_archives
+from server.rest.inference import create_inference_app
+from server.rest.management import create_management_app
+from server.rest.metrics import create_metrics_app
+from server.settings import ServerSettings, parse_address
+
+log = logging.getLogger("scriptserve.app")
+
+
+class StartupError(RuntimeError):
+    """The server cannot start; the message says what to change."""
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # One set of signal handlers for the whole process, installed by `serve`.
+        yield
+
+
+def available_devices(settings: ServerSettings) -> list[str]:
+    if settings.device == "cpu":
+        return ["cpu"]
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if settings.device == "cuda" and not gpus:
+        raise StartupError("--device cuda was asked for but no CUDA device is visible")
+    return [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
+
+
+def bind(address: str) -> socket.socket:
+    host, port = parse_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {address}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def startup_sources(settings: ServerSettings) -> list[tuple[str | None, Path]]:
+    """(name, archive) pairs from --models: `all`, `NAME=FILE` or `FILE` (in the model store)."""
+    sources: list[tuple[str | None, Path]] = []
+    for item in settings.models:
+        if item == "all":
+            sources.extend((None, p) for p in find_archives(settings.model_store))
+            continue
+        name, sep, file = item.partition("=")
+        path = Path(file if sep else name)
+        if not path.is_absolute():
+            path = settings.model_store / path
+        sources.append((name if sep else None, path))
+    return sources
+
+
+async def serve(settings: ServerSettings) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit code."""
+    devices = available_devices(settings)
+    metrics = ServerMetrics()
+    registry = ModelRegistry(settings, metrics, devices)
+    metrics.watch(registry.stats)
+    dataplane = DataPlane(registry, metrics, settings)
+    apps: list[tuple[str, FastAPI, str]] = [
+        ("inference", create_inference_app(dataplane, settings), settings.inference_address),
+        ("management", create_management_app(dataplane, settings), settings.management_address),
+        ("metrics", create_metrics_app(metrics), settings.metrics_address),
+    ]
+    sockets = [bind(address) for _, _, address in apps]
+    servers = []
+    for _, app, _ in apps:
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+            backlog=2048,
+        )
+        servers.append(_Server(config))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [
+        asyncio.create_task(s.serve(sockets=[sock]))
+        for s, sock in zip(servers, sockets, strict=True)
+    ]
+    for (what, _, _), sock in zip(apps, sockets, strict=True):
+        host, port = sock.getsockname()[:2]
+        log.info("%s API listening on http://%s:%d", what, host, port)
+
+    for name, path in startup_sources(settings):
+        if stop.is_set():
+            break
+        await registry.load(path, name, startup=True)
+    log.info(
+        "startup complete: %d model version(s) ready",
+        sum(mv.ready for mv in registry.all_versions()),
+    )
+
+    await stop.wait()
+    log.info("shutting down: draining in-flight requests (up to %g s)", settings.drain_timeout_s)
+    dataplane.draining = True
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await dataplane.close()
+    for sock in sockets:
+        sock.close()
+    log.info("stopped")
+    return 0
+
+
+def run(settings: ServerSettings) -> int:
+    """Run `serve` on uvloop where available."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))

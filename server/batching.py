@@ -1,0 +1,132 @@
+"""DynamicBatcher: a bounded queue per model version that worker threads drain in batches.
+
+The event loop `submit`s jobs; it never blocks (a full queue raises `QueueFull` at once). A worker
+thread calls `next_batch`: it blocks for the first job, then takes whatever else is queued, up to
+`max_batch_size`. With `max_batch_delay` > 0 it waits for more until the first job has waited that
+long; with 0 it never waits, so batches form only from requests that arrived while workers were
+busy. Jobs past their deadline are handed back separately, to be answered 504 without running;
+cancelled jobs (client gone, timed out) have already left the count and are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from handlers.base import InferenceRequest, InferenceResponse
+from server.errors import ModelNotReady, QueueFull
+
+
+@dataclass(eq=False)
+class Job:
+    """One request waiting for, or being run by, a worker."""
+
+    request: InferenceRequest
+    future: asyncio.Future[InferenceResponse]
+    deadline: float
+    """time.monotonic() after which the request is not worth running."""
+    enqueued: float = field(default_factory=time.monotonic)
+    dequeued: float = 0.0
+    cancelled: bool = False
+    taken: bool = False
+
+
+@dataclass
+class Batch:
+    jobs: list[Job]
+    expired: list[Job]
+
+
+class DynamicBatcher:
+    def __init__(self, max_batch_size: int, max_batch_delay_s: float, max_queue_size: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_batch_delay_s = max_batch_delay_s
+        self.max_queue_size = max_queue_size
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (not yet taken by a worker, not cancelled)."""
+        return self._pending
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise ModelNotReady("the model is shutting down; retry on another replica")
+            if self._pending >= self.max_queue_size:
+                raise QueueFull(
+                    f"the model's queue is full ({self.max_queue_size} requests waiting); "
+                    "retry later"
+                )
+            self._queue.append(job)
+            self._pending += 1
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Forget a job the client no longer waits for; frees its slot if still queued."""
+        with self._cond:
+            if not job.taken and not job.cancelled:
+                job.cancelled = True
+                self._pending -= 1
+
+    def wake_all(self) -> None:
+        """Wake blocked workers (to notice they were asked to stop)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse new jobs; queued ones are still handed out."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def take_all(self) -> list[Job]:
+        """Remove and return every job still waiting (to fail them when stopping)."""
+        with self._cond:
+            jobs = [j for j in self._queue if not j.cancelled]
+            for job in jobs:
+                job.taken = True
+            self._queue.clear()
+            self._pending = 0
+            return jobs
+
+    def _pop_live(self, now: float, batch: Batch) -> None:
+        while self._queue and len(batch.jobs) < self.max_batch_size:
+            job = self._queue.popleft()
+            if job.cancelled:
+                continue
+            job.taken = True
+            job.dequeued = now
+            self._pending -= 1
+            (batch.expired if job.deadline <= now else batch.jobs).append(job)
+
+    def next_batch(self, stop: threading.Event, poll_s: float = 0.5) -> Batch:
+        """Block until there is work or `stop` is set; return the batch (possibly empty)."""
+        batch = Batch([], [])
+        with self._cond:
+            while not batch.jobs:
+                if stop.is_set():
+                    return batch
+                self._pop_live(time.monotonic(), batch)
+                if batch.jobs or batch.expired:
+                    break
+                self._cond.wait(poll_s)
+            if self.max_batch_delay_s > 0 and batch.jobs:
+                until = batch.jobs[0].enqueued + self.max_batch_delay_s
+                while len(batch.jobs) < self.max_batch_size and not stop.is_set():
+                    remaining = until - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    if not self._queue:
+                        self._cond.wait(remaining)
+                    self._pop_live(time.monotonic(), batch)
+            # Another worker may be idle while jobs remain (we took at most a full batch).
+            if self._queue:
+                self._cond.notify()
+        return batch

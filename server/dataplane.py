@@ -1,0 +1,269 @@
+"""Protocol-neutral operations: what REST routes and gRPC methods translate to and from.
+
+Inference submits to the model version's batcher and awaits the worker's answer on the loop;
+the deadline is enforced here with a timer, so a client gets 504 on time whatever the worker does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from archiver import __version__
+from archiver.signature import TensorSpec
+from handlers.base import InferenceRequest, InferenceResponse
+from server.batching import DynamicBatcher, Job
+from server.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    MethodNotAllowed,
+    ModelNotReady,
+    ServingError,
+    error_for_status,
+)
+from server.metrics import ServerMetrics
+from server.registry import ModelRegistry, ModelVersion
+from server.settings import ServerSettings
+
+log = logging.getLogger("scriptserve.dataplane")
+
+SERVER_NAME = "scriptserve"
+EXTENSIONS = ("binary_tensor_data",)
+_PLATFORMS = {"torchscript": "pytorch_torchscript", "onnx": "onnxruntime_onnx"}
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+def _expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
+    if not job.future.done():
+        batcher.cancel(job)
+        job.future.set_exception(
+            DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s")
+        )
+
+
+class DataPlane:
+    def __init__(
+        self, registry: ModelRegistry, metrics: ServerMetrics, settings: ServerSettings
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.settings = settings
+        self.draining = False
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- health and metadata -----------------------------------------------------------------
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        """Ready for traffic: not draining and every model that should be loaded is ready."""
+        return not self.draining and self.registry.healthy()
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        return not self.draining and self.registry.get(name, version).ready
+
+    def resolve_version(self, name: str, version: str | None) -> str:
+        """The version a request for (name, version) is served by: the default when None."""
+        return self.registry.get(name, version).version
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
+        mv = self.registry.get(name, version)
+        assert mv.manifest is not None
+        signature = mv.manifest.signature
+        return ModelMetadata(
+            name=mv.name,
+            versions=[v.version for v in self.registry.versions(name)],
+            platform=_PLATFORMS[mv.manifest.model_format],
+            inputs=signature.inputs,
+            outputs=signature.outputs,
+        )
+
+    # -- inference ---------------------------------------------------------------------------
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        request: InferenceRequest,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> InferenceResponse:
+        """Run one request; raises a ServingError subclass on any failure."""
+        started = time.perf_counter()
+        status = 500
+        label_version = version or "default"
+        try:
+            mv = self._serving(name, version)
+            label_version = mv.version
+            response = await self._submit(mv, request, timeout_s)
+            if response.error is not None:
+                raise error_for_status(response.status, response.error)
+            status = 200
+            return response
+        except ServingError as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.observe_request(
+                name, label_version, protocol, status, time.perf_counter() - started
+            )
+
+    def _serving(self, name: str, version: str | None) -> ModelVersion:
+        mv = self.registry.get(name, version)
+        if not mv.ready or mv.batcher is None:
+            raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
+        return mv
+
+    async def _submit(
+        self, mv: ModelVersion, request: InferenceRequest, timeout_s: float | None
+    ) -> InferenceResponse:
+        assert mv.batcher is not None and mv.settings is not None
+        budget = mv.settings.response_timeout_s
+        if timeout_s is not None:
+            if timeout_s <= 0:
+                raise InvalidInput("the request timeout must be positive")
+            budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
+        loop = asyncio.get_running_loop()
+        job = Job(request, loop.create_future(), deadline=time.monotonic() + budget)
+        mv.batcher.submit(job)
+        timer = loop.call_later(budget, _expire, job, mv.batcher, budget)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            mv.batcher.cancel(job)  # the client went away: free the slot, leave the worker be
+            raise
+        finally:
+            timer.cancel()
+
+    # -- management --------------------------------------------------------------------------
+    async def register(
+        self,
+        url: str,
+        model_name: str | None = None,
+        overrides: dict[str, Any] | None = None,
+        synchronous: bool = True,
+    ) -> tuple[bool, str]:
+        """Load an archive from the model store. Returns (done, message); not done = accepted."""
+        if not self.settings.enable_model_api:
+            raise MethodNotAllowed(
+                "registering models is disabled; start the server with --enable-model-api"
+            )
+        source = self.registry.resolve_source(url)
+        if synchronous:
+            mv = await self.registry.load(source, model_name, overrides)
+            workers = mv.pool.size if mv.pool else 0
+            return True, (
+                f'Model "{mv.name}" Version: {mv.version} registered with {workers} initial workers'
+            )
+        task = asyncio.create_task(self._register_later(source, model_name, overrides))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return False, "Processing worker updates..."
+
+    async def _register_later(
+        self, source: Any, model_name: str | None, overrides: dict[str, Any] | None
+    ) -> None:
+        try:
+            await self.registry.load(source, model_name, overrides)
+        except ServingError as exc:
+            log.error("asynchronous registration of %s failed: %s", source.name, exc.message)
+
+    async def scale(
+        self, name: str, version: str | None, workers: int, synchronous: bool = False
+    ) -> tuple[bool, str]:
+        mv = self.registry.get(name, version)
+        if synchronous:
+            await self.registry.scale(mv, workers)
+            return True, f"Workers scaled to {workers} for model: {mv.name}, version: {mv.version}"
+        task = asyncio.create_task(self.registry.scale(mv, workers))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return False, "Processing worker updates..."
+
+    async def unregister(self, name: str, version: str | None) -> str:
+        if not self.settings.enable_model_api:
+            raise MethodNotAllowed(
+                "unregistering models is disabled; start the server with --enable-model-api"
+            )
+        mv = await self.registry.unload(name, version, self.settings.drain_timeout_s)
+        return f'Model "{mv.name}" version {mv.version} unregistered'
+
+    def set_default(self, name: str, version: str) -> str:
+        self.registry.set_default(name, version)
+        return f'Default version successfully updated for model "{name}" to "{version}"'
+
+    def describe(self, name: str, version: str | None = None) -> list[dict[str, Any]]:
+        """TorchServe's describe shape; `version` None = default, "all" = every version."""
+        if version == "all":
+            versions = self.registry.versions(name)
+        elif version is None and name in self.registry.names():
+            default = self.registry.default_version(name)
+            versions = (
+                [self.registry.get(name, default)] if default else self.registry.versions(name)
+            )
+        else:
+            versions = [self.registry.get(name, version)]
+        return [self._describe_one(mv) for mv in versions]
+
+    def _describe_one(self, mv: ModelVersion) -> dict[str, Any]:
+        s = mv.settings
+        manifest = mv.manifest
+        pending = mv.batcher.depth if mv.batcher else 0
+        return {
+            "modelName": mv.name,
+            "modelVersion": mv.version,
+            "modelUrl": mv.source.name,
+            "runtime": manifest.runtime if manifest else "python",
+            "modelFormat": manifest.model_format if manifest else None,
+            "quantization": manifest.scriptserve.quantization.mode
+            if manifest and manifest.scriptserve
+            else "none",
+            "state": mv.state.value,
+            "reason": mv.reason,
+            "isDefault": self.registry.default_version(mv.name) == mv.version,
+            "minWorkers": mv.pool.size if mv.pool else 0,
+            "maxWorkers": mv.pool.size if mv.pool else 0,
+            "batchSize": s.batch_size if s else None,
+            "maxBatchDelay": s.max_batch_delay_ms if s else None,
+            "responseTimeout": s.response_timeout_s if s else None,
+            "loadedAtStartup": mv.loaded_at_startup,
+            "workers": mv.pool.describe() if mv.pool else [],
+            "jobQueueStatus": {
+                "remainingCapacity": (s.queue_size - pending) if s else 0,
+                "pendingRequests": pending,
+            },
+        }
+
+    def list_models(self, limit: int = 100, next_page_token: int = 0) -> dict[str, Any]:
+        if not 1 <= limit <= 1000:
+            raise InvalidInput("limit must be between 1 and 1000")
+        if next_page_token < 0:
+            raise InvalidInput("next_page_token must be >= 0")
+        names = self.registry.names()
+        page = names[next_page_token : next_page_token + limit]
+        body: dict[str, Any] = {
+            "models": [
+                {"modelName": n, "modelUrl": self.registry.versions(n)[0].source.name} for n in page
+            ]
+        }
+        if next_page_token + limit < len(names):
+            body["nextPageToken"] = str(next_page_token + limit)
+        return body
+
+    async def close(self) -> None:
+        """Stop taking traffic, let queues drain, stop every model."""
+        self.draining = True
+        await self.registry.close(self.settings.drain_timeout_s)

@@ -1,0 +1,1 @@
+"""FastAPI apps: inference (TorchServe + Open Inference Protocol v2), management, metrics."""

@@ -1,0 +1,162 @@
+"""The inference API: TorchServe's `/ping` and `/predictions`, and Open Inference Protocol v2.
+
+Routes decode the wire format, call the data plane, and encode its answer; nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.datastructures import UploadFile
+from starlette.responses import JSONResponse, Response
+
+from handlers.base import InferenceRequest, InferenceResponse
+from server.dataplane import DataPlane
+from server.errors import InvalidInput
+from server.rest import oip
+from server.rest.errors import install_error_handlers
+from server.settings import ServerSettings
+
+_JSON = "application/json"
+
+
+async def _predictions_request(request: Request) -> InferenceRequest:
+    """TorchServe-style input: raw body (`curl -T`, JSON) or multipart fields by name."""
+    content_type = request.headers.get("content-type", "")
+    headers = dict(request.headers)
+    if content_type.startswith("multipart/form-data"):
+        fields: dict[str, bytes] = {}
+        form = await request.form()
+        for key, value in form.multi_items():
+            fields[key] = await value.read() if isinstance(value, UploadFile) else value.encode()
+        if not fields:
+            raise InvalidInput("the multipart body has no fields; send the input as 'data'")
+        body = fields.get("data", fields.get("body", next(iter(fields.values()))))
+        return InferenceRequest(body=body, content_type=content_type, fields=fields,
+                                headers=headers)  # fmt: skip
+    body = await request.body()
+    if not body:
+        raise InvalidInput("the request has no body; send the model's input")
+    return InferenceRequest(body=body, content_type=content_type or None, headers=headers)
+
+
+def _predictions_response(response: InferenceResponse) -> Response:
+    if isinstance(response.body, (bytes, bytearray)):
+        return Response(
+            bytes(response.body), media_type=response.content_type or "application/octet-stream"
+        )
+    if response.body is not None:
+        return Response(json.dumps(response.body), media_type=response.content_type or _JSON)
+    tensors = {name: t.tolist() for name, t in response.outputs.items()}
+    value: Any = next(iter(tensors.values())) if len(tensors) == 1 else tensors
+    return Response(json.dumps(value), media_type=_JSON)
+
+
+def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(
+        title="scriptserve inference API",
+        version="0.1.0",
+        docs_url="/docs" if settings.docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if settings.docs else None,
+    )
+    install_error_handlers(app)
+
+    # -- TorchServe ------------------------------------------------------------------------
+    @app.get("/ping", tags=["TorchServe"])
+    async def ping() -> Response:
+        healthy = dataplane.ready()
+        return JSONResponse(
+            {"status": "Healthy" if healthy else "Unhealthy"}, 200 if healthy else 503
+        )
+
+    async def predict(request: Request, model_name: str, version: str | None) -> Response:
+        inference = await _predictions_request(request)
+        response = await dataplane.infer(model_name, version, inference, "rest")
+        return _predictions_response(response)
+
+    @app.post("/predictions/{model_name}", tags=["TorchServe"])
+    async def predictions(request: Request, model_name: str) -> Response:
+        return await predict(request, model_name, None)
+
+    @app.post("/predictions/{model_name}/{version}", tags=["TorchServe"])
+    async def predictions_version(request: Request, model_name: str, version: str) -> Response:
+        return await predict(request, model_name, version)
+
+    # -- Open Inference Protocol v2 ----------------------------------------------------------
+    @app.get("/v2", tags=["OIP v2"])
+    async def server_metadata() -> dict[str, Any]:
+        return dataplane.server_metadata()
+
+    @app.get("/v2/health/live", tags=["OIP v2"])
+    async def live() -> dict[str, bool]:
+        return {"live": dataplane.live()}
+
+    @app.get("/v2/health/ready", tags=["OIP v2"])
+    async def ready() -> Response:
+        is_ready = dataplane.ready()
+        return JSONResponse({"ready": is_ready}, 200 if is_ready else 503)
+
+    def metadata(model_name: str, version: str | None) -> dict[str, Any]:
+        meta = dataplane.model_metadata(model_name, version)
+        return {
+            "name": meta.name,
+            "versions": meta.versions,
+            "platform": meta.platform,
+            "inputs": [t.to_dict() for t in meta.inputs],
+            "outputs": [t.to_dict() for t in meta.outputs],
+        }
+
+    @app.get("/v2/models/{model_name}", tags=["OIP v2"])
+    async def model_metadata(model_name: str) -> dict[str, Any]:
+        return metadata(model_name, None)
+
+    @app.get("/v2/models/{model_name}/versions/{version}", tags=["OIP v2"])
+    async def model_version_metadata(model_name: str, version: str) -> dict[str, Any]:
+        return metadata(model_name, version)
+
+    def model_ready(model_name: str, version: str | None) -> Response:
+        is_ready = dataplane.model_ready(model_name, version)
+        return JSONResponse({"name": model_name, "ready": is_ready}, 200 if is_ready else 503)
+
+    @app.get("/v2/models/{model_name}/ready", tags=["OIP v2"])
+    async def model_ready_default(model_name: str) -> Response:
+        return model_ready(model_name, None)
+
+    @app.get("/v2/models/{model_name}/versions/{version}/ready", tags=["OIP v2"])
+    async def model_version_ready(model_name: str, version: str) -> Response:
+        return model_ready(model_name, version)
+
+    async def infer(request: Request, model_name: str, version: str | None) -> Response:
+        decoded = oip.decode_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
+        inference = InferenceRequest(
+            inputs=decoded.inputs, parameters=decoded.parameters, headers=dict(request.headers)
+        )
+        if decoded.id:
+            inference.request_id = decoded.id
+        response = await dataplane.infer(model_name, version, inference, "rest")
+        if not response.outputs:
+            raise InvalidInput(
+                f"model {model_name!r} answers with a body, not tensors; call /predictions"
+            )
+        resolved = dataplane.resolve_version(model_name, version)
+        body, header_length = oip.encode_response(model_name, resolved, decoded, response.outputs)
+        if header_length is None:
+            return Response(body, media_type=_JSON)
+        return Response(
+            body,
+            media_type="application/octet-stream",
+            headers={oip.HEADER_LENGTH: str(header_length)},
+        )
+
+    @app.post("/v2/models/{model_name}/infer", tags=["OIP v2"])
+    async def infer_default(request: Request, model_name: str) -> Response:
+        return await infer(request, model_name, None)
+
+    @app.post("/v2/models/{model_name}/versions/{version}/infer", tags=["OIP v2"])
+    async def infer_version(request: Request, model_name: str, version: str) -> Response:
+        return await infer(request, model_name, version)
+
+    return app

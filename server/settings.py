@@ -1,0 +1,184 @@
+"""One typed settings tree: defaults < YAML file < `SCRIPTSERVE_*` environment < command line.
+
+Read once in `main()` and passed down; nothing reads the environment at import time.
+
+    settings = load_settings(config_file=Path("serve.yaml"), overrides={"queue_size": 64})
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """'HOST:PORT' (or '[v6]:PORT') -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"address {value!r} must look like HOST:PORT, e.g. 127.0.0.1:8080")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"address {value!r}: port must be 0..65535")
+    return host.strip("[]"), int(port)
+
+
+class _YamlFileSource(PydanticBaseSettingsSource):
+    """Values from the YAML file named by the `config_file` init argument (safe_load only)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init: InitSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self._path = init.init_kwargs.get("config_file")
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ returns the whole mapping
+
+    def __call__(self) -> dict[str, Any]:
+        if not self._path:
+            return {}
+        path = Path(self._path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"config file {path}: {exc}") from None
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of settings")
+        return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+class ServerSettings(BaseSettings):
+    """Everything the serving process can be told."""
+
+    model_config = SettingsConfigDict(env_prefix="SCRIPTSERVE_", extra="forbid")
+
+    config_file: Path | None = None
+    """YAML file with any of these settings (lowest precedence after the defaults)."""
+
+    model_store: Path = Path("model_store")
+    """Directory the server loads archives from; registration by file name looks here."""
+    models: list[str] = Field(default_factory=lambda: ["all"])
+    """Models to load at start: `all` (every archive in the store), `NAME=FILE`, or `FILE`."""
+
+    inference_address: str = "127.0.0.1:8080"
+    management_address: str = "127.0.0.1:8081"
+    metrics_address: str = "127.0.0.1:8082"
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses every visible GPU (one worker each) when CUDA is available, else the CPU."""
+    intra_op_threads: int = Field(default=1, ge=1)
+    """Threads each worker's model call may use; workers x this stays within the cores."""
+    workers_per_model: int | None = Field(default=None, ge=1)
+    """Default workers per model: cores / intra-op threads on CPU, one per GPU."""
+
+    max_batch_size: int = Field(default=32, ge=1)
+    max_batch_delay_ms: float = Field(default=0.0, ge=0)
+    """How long a partial batch may wait for more requests; 0 never waits."""
+    queue_size: int = Field(default=1000, ge=1)
+    """Requests waiting per model version before new ones get 503 + Retry-After."""
+    response_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one request from arrival to answer; clients may only shorten it."""
+
+    enable_model_api: bool = False
+    """Allow register / unregister through the management API (TorchServe's enable_model_api)."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long in-flight requests may take to finish."""
+    docs: bool = True
+    """Serve /openapi.json and /docs."""
+    log_level: str = "info"
+
+    @field_validator("inference_address", "management_address", "metrics_address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        parse_address(value)
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        assert isinstance(init_settings, InitSettingsSource)
+        return (init_settings, env_settings, _YamlFileSource(settings_cls, init_settings))
+
+    def default_workers(self, gpus: int) -> int:
+        if self.workers_per_model is not None:
+            return self.workers_per_model
+        if gpus:
+            return gpus
+        return max(1, (os.cpu_count() or 1) // self.intra_op_threads)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> ServerSettings:
+    """Build the settings tree; `overrides` (the command line) win over everything else."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return ServerSettings(config_file=config_file, **given)
+
+
+# TorchServe's model-config YAML keys (protocols.md 1.3.3) that the server honours.
+_ARCHIVE_KEYS = {
+    "batchSize": "batch_size",
+    "maxBatchDelay": "max_batch_delay_ms",
+    "minWorkers": "workers",
+    "responseTimeout": "response_timeout_s",
+    "jobQueueSize": "queue_size",
+}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How one model version is served: server defaults < archive config < registration."""
+
+    batch_size: int
+    max_batch_delay_ms: float
+    workers: int
+    response_timeout_s: float
+    queue_size: int
+
+    @classmethod
+    def resolve(
+        cls,
+        server: ServerSettings,
+        archive_config: dict[str, Any],
+        overrides: dict[str, Any] | None = None,
+        gpus: int = 0,
+        batching: bool = True,
+    ) -> ModelSettings:
+        settings = cls(
+            batch_size=server.max_batch_size,
+            max_batch_delay_ms=server.max_batch_delay_ms,
+            workers=server.default_workers(gpus),
+            response_timeout_s=server.response_timeout_s,
+            queue_size=server.queue_size,
+        )
+        values = {_ARCHIVE_KEYS[k]: v for k, v in archive_config.items() if k in _ARCHIVE_KEYS}
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        try:
+            settings = replace(
+                settings,
+                **{k: type(getattr(settings, k))(v) for k, v in values.items()},
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"invalid model setting: {exc}") from None
+        if not batching:
+            settings = replace(settings, batch_size=1)
+        for name in ("batch_size", "workers", "queue_size"):
+            if getattr(settings, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if settings.response_timeout_s <= 0 or settings.max_batch_delay_ms < 0:
+            raise ValueError("response_timeout must be > 0 and max_batch_delay >= 0")
+        return settings
