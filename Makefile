@@ -3,18 +3,21 @@
 PYTHON ?= python3
 DEMO_DIR ?= build/demo
 
-.PHONY: install demo test lint bench
+.PHONY: install demo demo-archive test lint bench gen-proto
 
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 
-# Build the demo archive into model_store/ and run one prediction through it.
-demo: install
+# Build the demo archive into model_store/, run one prediction in-process, then serve it.
+demo: install demo-archive
+	scriptserve predict model_store/demo.mar --input $(DEMO_DIR)/sample.json
+	scriptserve serve --model-store model_store --models demo=demo.mar
+
+demo-archive: install
 	$(PYTHON) scripts/demo_model.py $(DEMO_DIR)
 	model-archiver --model-name demo --version 1.0 --serialized-file $(DEMO_DIR)/demo.pt \
 		--handler tensor --sample-input $(DEMO_DIR)/sample.json --export-path model_store -f
 	scriptserve archive verify model_store/demo.mar
-	scriptserve predict model_store/demo.mar --input $(DEMO_DIR)/sample.json
 
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider
@@ -23,6 +26,9 @@ lint: install
 	ruff check .
 	ruff format --check .
 	mypy
+
+gen-proto: install
+	$(PYTHON) scripts/gen_proto.py
 
 bench: install
 	$(PYTHON) benchmarks/handler_threads.py

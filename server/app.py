@@ -1,6 +1,7 @@
-"""Start everything in one asyncio loop: three HTTP apps (uvicorn) sharing one data plane.
+"""Start everything in one asyncio loop: three HTTP apps (uvicorn) and two gRPC servers
+(grpc.aio) sharing one data plane.
 
-The HTTP servers start first, so liveness answers while models load; readiness follows the
+The listeners start first, so liveness answers while models load; readiness follows the
 models. SIGTERM / SIGINT: readiness turns 503, the listeners close, in-flight requests finish
 (up to the drain timeout), queued work drains, workers stop, and the process exits 0.
 """
@@ -19,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.dataplane import DataPlane
+from server.grpc.server import GrpcServers
 from server.metrics import ServerMetrics
 from server.registry import ModelRegistry, find_archives
 from server.rest.inference import create_inference_app
@@ -116,6 +118,16 @@ async def serve(settings: ServerSettings) -> int:
     for (what, _, _), sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("%s API listening on http://%s:%d", what, host, port)
+    grpc_servers = GrpcServers(dataplane, settings)
+    try:
+        grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)
+    except RuntimeError as exc:
+        raise StartupError(str(exc)) from None
+    await grpc_servers.start()
+    log.info(
+        "gRPC inference on %s, gRPC management on %s",
+        settings.grpc_inference_address, settings.grpc_management_address,
+    )  # fmt: skip
 
     for name, path in startup_sources(settings):
         if stop.is_set():
@@ -131,7 +143,9 @@ async def serve(settings: ServerSettings) -> int:
     dataplane.draining = True
     for s in servers:
         s.should_exit = True
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(
+        *tasks, grpc_servers.stop(settings.drain_timeout_s), return_exceptions=True
+    )
     await dataplane.close()
     for sock in sockets:
         sock.close()

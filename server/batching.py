@@ -126,6 +126,10 @@ class DynamicBatcher:
                     if not self._queue:
                         self._cond.wait(remaining)
                     self._pop_live(time.monotonic(), batch)
+                # The delay is queueing time too: the jobs are taken when the batch is handed over.
+                handed = time.monotonic()
+                for job in batch.jobs:
+                    job.dequeued = handed
             # Another worker may be idle while jobs remain (we took at most a full batch).
             if self._queue:
                 self._cond.notify()

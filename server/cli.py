@@ -54,6 +54,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference-address", help="HOST:PORT (default 127.0.0.1:8080)")
     p.add_argument("--management-address", help="HOST:PORT (default 127.0.0.1:8081)")
     p.add_argument("--metrics-address", help="HOST:PORT (default 127.0.0.1:8082)")
+    p.add_argument("--grpc-inference-address", help="HOST:PORT (default 127.0.0.1:7070)")
+    p.add_argument("--grpc-management-address", help="HOST:PORT (default 127.0.0.1:7071)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--workers", dest="workers_per_model", type=int, help="workers per model")
     p.add_argument("--intra-op-threads", type=int, help="threads per worker's model call")
@@ -73,6 +75,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 _SERVE_KEYS = (
     "model_store", "models", "inference_address", "management_address", "metrics_address",
+    "grpc_inference_address", "grpc_management_address",
     "device", "workers_per_model", "intra_op_threads", "max_batch_size", "max_batch_delay_ms",
     "queue_size", "response_timeout_s", "drain_timeout_s", "enable_model_api", "log_level",
 )  # fmt: skip

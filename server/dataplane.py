@@ -7,6 +7,7 @@ the deadline is enforced here with a timer, so a client gets 504 on time whateve
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ log = logging.getLogger("scriptserve.dataplane")
 
 SERVER_NAME = "scriptserve"
 EXTENSIONS = ("binary_tensor_data",)
+UNKNOWN_LABEL = "_unknown"
+"""Metric label of a model or version the registry does not hold (no model name starts with _)."""
 _PLATFORMS = {"torchscript": "pytorch_torchscript", "onnx": "onnxruntime_onnx"}
 
 
@@ -104,7 +107,7 @@ class DataPlane:
         """Run one request; raises a ServingError subclass on any failure."""
         started = time.perf_counter()
         status = 500
-        label_version = version or "default"
+        label_version: str | None = None
         try:
             mv = self._serving(name, version)
             label_version = mv.version
@@ -117,8 +120,14 @@ class DataPlane:
             status = exc.status
             raise
         finally:
+            label_model = name
+            if label_version is None:
+                # Clients choose these names: a typo must not mint a new time series.
+                label_version = UNKNOWN_LABEL
+                if name not in self.registry.names():
+                    label_model = UNKNOWN_LABEL
             self.metrics.observe_request(
-                name, label_version, protocol, status, time.perf_counter() - started
+                label_model, label_version, protocol, status, time.perf_counter() - started
             )
 
     def _serving(self, name: str, version: str | None) -> ModelVersion:
@@ -267,3 +276,14 @@ class DataPlane:
         """Stop taking traffic, let queues drain, stop every model."""
         self.draining = True
         await self.registry.close(self.settings.drain_timeout_s)
+
+
+def prediction_payload(response: InferenceResponse) -> tuple[bytes, str]:
+    """The bytes and content type of a TorchServe-style prediction (REST and gRPC alike)."""
+    if isinstance(response.body, (bytes, bytearray)):
+        return bytes(response.body), response.content_type or "application/octet-stream"
+    if response.body is not None:
+        return json.dumps(response.body).encode(), response.content_type or "application/json"
+    tensors = {name: t.tolist() for name, t in response.outputs.items()}
+    value: Any = next(iter(tensors.values())) if len(tensors) == 1 else tensors
+    return json.dumps(value).encode(), "application/json"

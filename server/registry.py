@@ -209,10 +209,12 @@ class ModelRegistry:
     ) -> ModelVersion:
         log.error("model=%s version=%s failed to load: %s", name, version, reason)
         mv = ModelVersion(name, version, source, ModelState.FAILED, reason, startup)
+        if not startup:
+            # The client sent an archive that does not load: its error, reported to it alone.
+            # Remembering it would turn the server unready for one bad upload.
+            raise InvalidInput(f"model {name!r} failed to load: {reason}")
         if name not in self._versions:
             self._failed[name] = mv
-        if not startup:
-            raise ModelNotReady(f"model {name!r} failed to load: {reason}")
         return mv
 
     def _start(self, mv: ModelVersion, overrides: dict[str, Any]) -> None:

@@ -13,13 +13,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message names each bad setting, on one line."""
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -30,6 +34,13 @@ def parse_address(value: str) -> tuple[str, int]:
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"address {value!r}: port must be 0..65535")
     return host.strip("[]"), int(port)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark
+        return f"{exc.problem} (line {mark.line + 1})" if mark else exc.problem
+    return " ".join(str(exc).split())
 
 
 class _YamlFileSource(PydanticBaseSettingsSource):
@@ -48,12 +59,14 @@ class _YamlFileSource(PydanticBaseSettingsSource):
         path = Path(self._path)
         try:
             data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"config file {path}: {exc}") from None
+        except OSError as exc:
+            raise SettingsError(f"config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"config file {path}: {_yaml_problem(exc)}") from None
         if data is None:
             return {}
         if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping of settings")
+            raise SettingsError(f"config file {path} must hold a mapping of settings")
         return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
@@ -73,6 +86,11 @@ class ServerSettings(BaseSettings):
     inference_address: str = "127.0.0.1:8080"
     management_address: str = "127.0.0.1:8081"
     metrics_address: str = "127.0.0.1:8082"
+    grpc_inference_address: str = "127.0.0.1:7070"
+    """OIP v2 and TorchServe inference services, gRPC health and reflection."""
+    grpc_management_address: str = "127.0.0.1:7071"
+    grpc_max_message_bytes: int = Field(default=64 << 20, ge=1024)
+    """Largest gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto` uses every visible GPU (one worker each) when CUDA is available, else the CPU."""
@@ -97,7 +115,13 @@ class ServerSettings(BaseSettings):
     """Serve /openapi.json and /docs."""
     log_level: str = "info"
 
-    @field_validator("inference_address", "management_address", "metrics_address")
+    @field_validator(
+        "inference_address",
+        "management_address",
+        "metrics_address",
+        "grpc_inference_address",
+        "grpc_management_address",
+    )
     @classmethod
     def _check_address(cls, value: str) -> str:
         parse_address(value)
@@ -123,10 +147,33 @@ class ServerSettings(BaseSettings):
         return max(1, (os.cpu_count() or 1) // self.intra_op_threads)
 
 
+def _one_line(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            problem = "unknown setting"
+        else:
+            problem = error["msg"].removeprefix("Value error, ")
+            if error["type"] != "value_error":
+                problem += f" (got {error['input']!r})"
+        problems.append(f"{where}: {problem}" if where else problem)
+    return "; ".join(problems)
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> ServerSettings:
-    """Build the settings tree; `overrides` (the command line) win over everything else."""
+    """Build the settings tree; `overrides` (the command line) win over everything else.
+
+    The YAML file is `config_file`, else the one `SCRIPTSERVE_CONFIG_FILE` names. Raises
+    SettingsError, whose one-line message names every setting that is wrong.
+    """
+    if config_file is None and os.environ.get("SCRIPTSERVE_CONFIG_FILE"):
+        config_file = Path(os.environ["SCRIPTSERVE_CONFIG_FILE"])
     given = {k: v for k, v in overrides.items() if v is not None}
-    return ServerSettings(config_file=config_file, **given)
+    try:
+        return ServerSettings(config_file=config_file, **given)
+    except ValidationError as exc:
+        raise SettingsError(_one_line(exc)) from None
 
 
 # TorchServe's model-config YAML keys (protocols.md 1.3.3) that the server honours.

@@ -130,6 +130,7 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         return model_ready(model_name, version)
 
     async def infer(request: Request, model_name: str, version: str | None) -> Response:
+        resolved = dataplane.resolve_version(model_name, version)  # 404 before parsing the body
         decoded = oip.decode_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
         inference = InferenceRequest(
             inputs=decoded.inputs, parameters=decoded.parameters, headers=dict(request.headers)
@@ -141,7 +142,6 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
             raise InvalidInput(
                 f"model {model_name!r} answers with a body, not tensors; call /predictions"
             )
-        resolved = dataplane.resolve_version(model_name, version)
         body, header_length = oip.encode_response(model_name, resolved, decoded, response.outputs)
         if header_length is None:
             return Response(body, media_type=_JSON)

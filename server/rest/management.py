@@ -33,7 +33,7 @@ def create_management_app(dataplane: DataPlane, settings: ServerSettings) -> Fas
         model_name: str | None = None,
         batch_size: int | None = Query(None, ge=1),
         max_batch_delay: float | None = Query(None, ge=0, description="milliseconds"),
-        initial_workers: int | None = Query(None, ge=0),
+        initial_workers: int | None = Query(None, ge=1),
         response_timeout: float | None = Query(None, gt=0, description="seconds"),
         queue_size: int | None = Query(None, ge=1),
         synchronous: bool = True,

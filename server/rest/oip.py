@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from archiver.signature import SignatureError, datatype_of, numpy_dtype
+from archiver.signature import datatype_of
 from server.errors import InvalidInput
+from server.rawtensors import decode_raw, encode_raw, tensor_dtype
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -31,29 +31,6 @@ class OipRequest:
     binary_default: bool = False
 
 
-def _decode_bytes_tensor(raw: bytes, count: int, name: str) -> np.ndarray:
-    items: list[bytes] = []
-    pos = 0
-    while pos < len(raw):
-        if pos + 4 > len(raw):
-            raise InvalidInput(f"input {name!r}: truncated BYTES element length")
-        (length,) = struct.unpack_from("<I", raw, pos)
-        pos += 4
-        items.append(raw[pos : pos + length])
-        pos += length
-    if len(items) != count or pos != len(raw):
-        raise InvalidInput(f"input {name!r}: expected {count} BYTES elements")
-    return np.array(items, dtype=np.object_)
-
-
-def _encode_bytes_tensor(array: np.ndarray) -> bytes:
-    parts = []
-    for item in array.ravel():
-        data = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(struct.pack("<I", len(data)) + data)
-    return b"".join(parts)
-
-
 def _tensor(spec: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
     if not isinstance(spec, dict):
         raise InvalidInput("each entry of 'inputs' must be an object with name, shape, datatype")
@@ -66,12 +43,7 @@ def _tensor(spec: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     if not isinstance(datatype, str):
         raise InvalidInput(f"input {name!r}: 'datatype' is missing")
-    if datatype == "BF16":
-        raise InvalidInput(f"input {name!r}: BF16 is not supported over REST; send FP32 or FP16")
-    try:
-        dtype = numpy_dtype(datatype)
-    except SignatureError as exc:
-        raise InvalidInput(f"input {name!r}: {exc}") from None
+    dtype = tensor_dtype(name, datatype)
     count = math.prod(shape)
     params = spec.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None
@@ -79,15 +51,7 @@ def _tensor(spec: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray
         if not isinstance(size, int) or size < 0 or offset + size > len(binary):
             raise InvalidInput(f"input {name!r}: binary_data_size exceeds the binary data sent")
         raw = bytes(binary[offset : offset + size])
-        offset += size
-        if datatype == "BYTES":
-            return name, _decode_bytes_tensor(raw, count, name).reshape(shape), offset
-        if size != count * dtype.itemsize:
-            raise InvalidInput(
-                f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} "
-                f"bytes, got {size}"
-            )
-        return name, np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape), offset
+        return name, decode_raw(name, datatype, shape, raw), offset + size
     if "data" not in spec:
         raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
     data = spec["data"]
@@ -139,10 +103,14 @@ def decode_request(body: bytes, header_length: str | None) -> OipRequest:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise InvalidInput("each entry of 'outputs' must be an object with a 'name'")
         out_params = out.get("parameters") or {}
+        if not isinstance(out_params, dict):
+            raise InvalidInput(f"output {out['name']!r}: 'parameters' must be an object")
         requested[out["name"]] = bool(out_params.get("binary_data", binary_default))
     request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
     return OipRequest(
-        str(request_id) if request_id is not None else None,
+        request_id,
         inputs,
         params,
         requested,
@@ -169,11 +137,7 @@ def encode_response(
         datatype = datatype_of(array.dtype)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if request.requested.get(name, request.binary_default):
-            blob = (
-                _encode_bytes_tensor(array)
-                if datatype == "BYTES"
-                else np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-            )
+            blob = encode_raw(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif datatype == "BYTES":

@@ -1,0 +1,1 @@
+"""gRPC: the Open Inference Protocol and TorchServe's inference and management services."""

@@ -1,0 +1,83 @@
+"""The gRPC servers: inference (OIP v2 + TorchServe) and management, on the HTTP apps' loop.
+
+Both serve the standard health service (`grpc.health.v1`) and server reflection. On drain the
+health status turns NOT_SERVING and in-flight calls get the drain timeout to finish.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from server.dataplane import DataPlane
+from server.grpc._generated import inference_pb2, management_pb2, open_inference_grpc_pb2
+from server.grpc._generated import inference_pb2_grpc as ts_grpc
+from server.grpc._generated import management_pb2_grpc as mgmt_grpc
+from server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from server.grpc.servicers import (
+    InferenceServicer,
+    ManagementServicer,
+    TorchServeInferenceServicer,
+)
+from server.settings import ServerSettings
+
+_OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+_TS = inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name
+_MGMT = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name
+
+
+class GrpcServers:
+    """The two gRPC servers and their health services."""
+
+    def __init__(self, dataplane: DataPlane, settings: ServerSettings) -> None:
+        options = [
+            ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
+            ("grpc.max_send_message_length", settings.grpc_max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.inference = grpc.aio.server(options=options)
+        self.management = grpc.aio.server(options=options)
+        self._health: list[health.aio.HealthServicer] = []
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(dataplane), self.inference
+        )
+        ts_grpc.add_InferenceAPIsServiceServicer_to_server(
+            TorchServeInferenceServicer(dataplane), self.inference
+        )
+        mgmt_grpc.add_ManagementAPIsServiceServicer_to_server(
+            ManagementServicer(dataplane), self.management
+        )
+        for server, services in ((self.inference, [_OIP, _TS]), (self.management, [_MGMT])):
+            checker = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+            self._health.append(checker)
+            names = [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+            reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+        self._services = ([_OIP, _TS], [_MGMT])
+
+    def bind(self, inference_address: str, management_address: str) -> tuple[int, int]:
+        """Listen on both addresses; returns the bound ports (raises RuntimeError if one fails)."""
+        ports = []
+        for server, address in (
+            (self.inference, inference_address),
+            (self.management, management_address),
+        ):
+            port = server.add_insecure_port(address)
+            if port == 0:
+                raise RuntimeError(f"cannot listen on {address}")
+            ports.append(port)
+        return ports[0], ports[1]
+
+    async def start(self) -> None:
+        await self.inference.start()
+        await self.management.start()
+        for checker, services in zip(self._health, self._services, strict=True):
+            for name in ["", *services]:
+                await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        for checker in self._health:
+            await checker.enter_graceful_shutdown()
+        await self.inference.stop(grace_s)
+        await self.management.stop(grace_s)

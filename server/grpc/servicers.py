@@ -1,0 +1,204 @@
+"""gRPC servicers: thin adapters from wire messages to the data plane and back.
+
+Every ServingError becomes the gRPC status its class names, with the same message REST gives.
+A client deadline shortens the request's own; a cancelled call frees its queue slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import empty_pb2
+
+from server.dataplane import DataPlane, prediction_payload
+from server.errors import ServingError
+from server.grpc import converters
+from server.grpc._generated import inference_pb2 as ts
+from server.grpc._generated import inference_pb2_grpc as ts_grpc
+from server.grpc._generated import management_pb2 as mgmt
+from server.grpc._generated import management_pb2_grpc as mgmt_grpc
+from server.grpc._generated import open_inference_grpc_pb2 as oip
+from server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+def status_code(error: ServingError) -> grpc.StatusCode:
+    """The one table from the error hierarchy to gRPC: each error names its code."""
+    return getattr(grpc.StatusCode, error.grpc_code, grpc.StatusCode.INTERNAL)
+
+
+def translated(method: Handler[R]) -> Handler[R]:
+    """Abort the call with the error's gRPC code and message on any ServingError."""
+
+    @functools.wraps(method)
+    async def call(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except ServingError as exc:
+            await context.abort(status_code(exc), exc.message)
+            raise  # abort raises; this line is never reached
+
+    return call
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return remaining if remaining is not None else None
+
+
+def _version(value: str) -> str | None:
+    return value or None
+
+
+class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
+    """Open Inference Protocol v2: `inference.GRPCInferenceService`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    @translated
+    async def ServerLive(self, request: Any, context: Any) -> oip.ServerLiveResponse:
+        return oip.ServerLiveResponse(live=self.dataplane.live())
+
+    @translated
+    async def ServerReady(self, request: Any, context: Any) -> oip.ServerReadyResponse:
+        return oip.ServerReadyResponse(ready=self.dataplane.ready())
+
+    @translated
+    async def ModelReady(self, request: Any, context: Any) -> oip.ModelReadyResponse:
+        ready = self.dataplane.model_ready(request.name, _version(request.version))
+        return oip.ModelReadyResponse(ready=ready)
+
+    @translated
+    async def ServerMetadata(self, request: Any, context: Any) -> oip.ServerMetadataResponse:
+        meta = self.dataplane.server_metadata()
+        return oip.ServerMetadataResponse(
+            name=meta["name"], version=meta["version"], extensions=meta["extensions"]
+        )
+
+    @translated
+    async def ModelMetadata(self, request: Any, context: Any) -> oip.ModelMetadataResponse:
+        meta = self.dataplane.model_metadata(request.name, _version(request.version))
+        return converters.metadata_response(meta)
+
+    @translated
+    async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
+        inference, requested = converters.infer_request(request)
+        version = _version(request.model_version)
+        response = await self.dataplane.infer(
+            request.model_name, version, inference, "grpc", _deadline(context)
+        )
+        resolved = self.dataplane.resolve_version(request.model_name, version)
+        return converters.infer_response(
+            request.model_name, resolved, request.id, response.outputs, requested
+        )
+
+
+class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
+    """TorchServe's `org.pytorch.serve.grpc.inference.InferenceAPIsService`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    @translated
+    async def Ping(self, request: empty_pb2.Empty, context: Any) -> ts.TorchServeHealthResponse:
+        healthy = self.dataplane.ready()
+        return ts.TorchServeHealthResponse(
+            health=json.dumps({"status": "Healthy" if healthy else "Unhealthy"})
+        )
+
+    async def _predict(self, request: Any, context: Any) -> ts.PredictionResponse:
+        inference = converters.predictions_request(dict(request.input))
+        response = await self.dataplane.infer(
+            request.model_name, _version(request.model_version), inference, "grpc",
+            _deadline(context),
+        )  # fmt: skip
+        payload, _ = prediction_payload(response)
+        return ts.PredictionResponse(prediction=payload)
+
+    @translated
+    async def Predictions(self, request: Any, context: Any) -> ts.PredictionResponse:
+        return await self._predict(request, context)
+
+    async def StreamPredictions(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ts.PredictionResponse]:
+        try:
+            yield await self._predict(request, context)
+        except ServingError as exc:
+            await context.abort(status_code(exc), exc.message)
+
+    async def StreamPredictions2(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ts.PredictionResponse]:
+        async for request in requests:
+            try:
+                response = await self._predict(request, context)
+            except ServingError as exc:
+                response = ts.PredictionResponse()
+                response.status.code = status_code(exc).value[0]
+                response.status.message = exc.message
+            if request.HasField("sequence_id"):
+                response.sequence_id = request.sequence_id
+            yield response
+
+
+def _msg(value: Any) -> mgmt.ManagementResponse:
+    return mgmt.ManagementResponse(msg=json.dumps(value, indent=2))
+
+
+class ManagementServicer(mgmt_grpc.ManagementAPIsServiceServicer):
+    """TorchServe's `org.pytorch.serve.grpc.management.ManagementAPIsService`; each answer's
+    `msg` is the JSON the REST management API gives."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    @translated
+    async def DescribeModel(self, request: Any, context: Any) -> mgmt.ManagementResponse:
+        return _msg(self.dataplane.describe(request.model_name, _version(request.model_version)))
+
+    @translated
+    async def ListModels(self, request: Any, context: Any) -> mgmt.ManagementResponse:
+        return _msg(self.dataplane.list_models(request.limit or 100, request.next_page_token))
+
+    @translated
+    async def RegisterModel(self, request: Any, context: Any) -> mgmt.ManagementResponse:
+        # proto3 ints default to 0: 0 means "not given", as in TorchServe.
+        overrides = {
+            "batch_size": request.batch_size or None,
+            "max_batch_delay_ms": request.max_batch_delay or None,
+            "workers": request.initial_workers or None,
+            "response_timeout_s": request.response_timeout or None,
+        }
+        _, message = await self.dataplane.register(
+            request.url, request.model_name or None, overrides, request.synchronous
+        )
+        return _msg({"status": message})
+
+    @translated
+    async def ScaleWorker(self, request: Any, context: Any) -> mgmt.ManagementResponse:
+        workers = max(request.min_worker, request.max_worker)
+        _, message = await self.dataplane.scale(
+            request.model_name, _version(request.model_version), workers, request.synchronous
+        )
+        return _msg({"status": message})
+
+    @translated
+    async def SetDefault(self, request: Any, context: Any) -> mgmt.ManagementResponse:
+        return _msg(
+            {"status": self.dataplane.set_default(request.model_name, request.model_version)}
+        )
+
+    @translated
+    async def UnregisterModel(self, request: Any, context: Any) -> mgmt.ManagementResponse:
+        message = await self.dataplane.unregister(
+            request.model_name, _version(request.model_version)
+        )
+        return _msg({"status": message})

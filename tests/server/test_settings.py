@@ -1,0 +1,207 @@
+"""Settings: defaults < YAML file < SCRIPTSERVE_* environment < command line, and per model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.settings import ModelSettings, ServerSettings, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SCRIPTSERVE_* variable of the machine running the tests leaks into these."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SCRIPTSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def write_yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_match_the_documented_ones() -> None:
+    s = load_settings()
+    assert s.inference_address == "127.0.0.1:8080"
+    assert s.management_address == "127.0.0.1:8081"
+    assert s.metrics_address == "127.0.0.1:8082"
+    assert s.model_store == Path("model_store")
+    assert (s.max_batch_size, s.max_batch_delay_ms, s.queue_size) == (32, 0.0, 1000)
+    assert s.response_timeout_s == 120.0
+    assert s.enable_model_api is False
+
+
+def test_yaml_then_environment_then_command_line_win(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_yaml(
+        tmp_path,
+        "queue_size: 10\nmax-batch-size: 8\nmax_batch_delay_ms: 5\nresponse_timeout_s: 7\n",
+    )
+    s = load_settings(config)
+    assert (s.queue_size, s.max_batch_size, s.max_batch_delay_ms, s.response_timeout_s) == (
+        10, 8, 5.0, 7.0,
+    )  # fmt: skip
+    assert s.metrics_address == "127.0.0.1:8082"  # not in the file: the default
+
+    monkeypatch.setenv("SCRIPTSERVE_QUEUE_SIZE", "20")
+    monkeypatch.setenv("SCRIPTSERVE_MAX_BATCH_SIZE", "16")
+    s = load_settings(config)
+    assert (s.queue_size, s.max_batch_size, s.max_batch_delay_ms) == (20, 16, 5.0)
+
+    s = load_settings(config, queue_size=30, max_batch_delay_ms=None)  # None: flag not given
+    assert (s.queue_size, s.max_batch_size, s.max_batch_delay_ms) == (30, 16, 5.0)
+
+
+def test_environment_alone_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCRIPTSERVE_INFERENCE_ADDRESS", "127.0.0.1:9000")
+    monkeypatch.setenv("SCRIPTSERVE_ENABLE_MODEL_API", "true")
+    s = load_settings()
+    assert s.inference_address == "127.0.0.1:9000"
+    assert s.enable_model_api is True
+
+
+@pytest.mark.parametrize("address", ["nohost", "127.0.0.1:", "127.0.0.1:99999", ":8080"])
+def test_invalid_address_is_an_error_naming_it(address: str) -> None:
+    with pytest.raises(ValueError, match="inference_address") as info:
+        load_settings(inference_address=address)
+    assert repr(address) in str(info.value)
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path: Path) -> None:
+    config = write_yaml(tmp_path, "queue_size: 10\nqueue_sise: 20\n")
+    with pytest.raises(ValueError, match="queue_sise"):
+        load_settings(config)
+
+
+def test_yaml_tags_that_build_objects_are_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    config = write_yaml(
+        tmp_path,
+        f"queue_size: !!python/object/apply:os.system ['touch {marker}']\n",
+    )
+    with pytest.raises(ValueError, match="config file"):
+        load_settings(config)
+    assert not marker.exists()
+
+
+def test_yaml_that_is_not_a_mapping_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mapping"):
+        load_settings(write_yaml(tmp_path, "- queue_size\n- 10\n"))
+
+
+def test_invalid_values_are_errors() -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        load_settings(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_batch_delay_ms"):
+        load_settings(max_batch_delay_ms=-1)
+    with pytest.raises(ValueError, match="device"):
+        load_settings(device="tpu")
+
+
+def server_settings(**values: object) -> ServerSettings:
+    base: dict[str, object] = {
+        "max_batch_size": 32, "max_batch_delay_ms": 0.0, "workers_per_model": 2,
+        "response_timeout_s": 120.0, "queue_size": 1000,
+    }  # fmt: skip
+    return load_settings(**{**base, **values})
+
+
+def test_model_settings_start_from_the_server_defaults() -> None:
+    m = ModelSettings.resolve(server_settings(), {})
+    assert m == ModelSettings(
+        batch_size=32, max_batch_delay_ms=0.0, workers=2, response_timeout_s=120.0, queue_size=1000
+    )
+
+
+def test_default_workers_follow_cores_and_gpus() -> None:
+    s = load_settings(intra_op_threads=1)
+    import os
+
+    assert ModelSettings.resolve(s, {}).workers == max(1, os.cpu_count() or 1)
+    assert ModelSettings.resolve(s, {}, gpus=3).workers == 3
+
+
+def test_archive_config_overrides_the_server_and_registration_overrides_both() -> None:
+    archive = {
+        "batchSize": 8, "maxBatchDelay": 50, "minWorkers": 3, "responseTimeout": 10,
+        "jobQueueSize": 7, "maxWorkers": 9, "deviceType": "cpu",  # other keys are ignored
+    }  # fmt: skip
+    m = ModelSettings.resolve(server_settings(), archive)
+    assert m == ModelSettings(
+        batch_size=8, max_batch_delay_ms=50.0, workers=3, response_timeout_s=10.0, queue_size=7
+    )
+    m = ModelSettings.resolve(
+        server_settings(), archive, {"batch_size": 4, "workers": None, "queue_size": 99}
+    )
+    assert (m.batch_size, m.workers, m.queue_size) == (4, 3, 99)  # None: not given
+
+
+def test_a_handler_that_cannot_batch_gets_batch_size_one() -> None:
+    m = ModelSettings.resolve(
+        server_settings(), {"batchSize": 8}, {"batch_size": 16}, batching=False
+    )
+    assert m.batch_size == 1
+
+
+@pytest.mark.parametrize(
+    ("archive", "overrides", "named"),
+    [
+        ({"batchSize": 0}, {}, "batch_size"),
+        ({}, {"batch_size": 0}, "batch_size"),
+        ({}, {"workers": 0}, "workers"),
+        ({"jobQueueSize": 0}, {}, "queue_size"),
+        ({"maxBatchDelay": -5}, {}, "max_batch_delay"),
+        ({"responseTimeout": 0}, {}, "response_timeout"),
+        ({"batchSize": "many"}, {}, "invalid model setting"),
+    ],
+)
+def test_invalid_model_settings_are_value_errors(
+    archive: dict[str, object], overrides: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        ModelSettings.resolve(server_settings(), archive, overrides)
+
+
+def test_serve_with_bad_settings_exits_1_with_one_line(tmp_path: Path) -> None:
+    cases = [
+        (["--max-batch-size", "0"], "max_batch_size"),
+        (["--inference-address", "nohost"], "nohost"),
+        (["--config", str(write_yaml(tmp_path, "queue_sise: 3\n"))], "queue_sise"),
+        (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
+    ]
+    for args, named in cases:
+        result = subprocess.run(
+            [sys.executable, "-m", "server", "serve", "--model-store", str(tmp_path), *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("scriptserve serve: error:")
+        assert named in lines[0]
+
+
+def test_config_file_can_come_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("queue_size: 17\n")
+    monkeypatch.setenv("SCRIPTSERVE_CONFIG_FILE", str(config))
+    assert load_settings().queue_size == 17
+    # An explicit file still wins over the variable.
+    other = tmp_path / "other.yaml"
+    other.write_text("queue_size: 5\n")
+    assert load_settings(other).queue_size == 5
