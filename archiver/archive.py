@@ -10,6 +10,7 @@ file under a top folder `<name>/`, `no-archive` is a plain directory `<export>/<
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
@@ -17,6 +18,7 @@ import shutil
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -273,6 +275,7 @@ class ArchiveReader:
         self._tmp: Path | None = None
         if self.format is ArchiveFormat.NO_ARCHIVE:
             self.root = source.resolve()
+            list_files(self.root)  # refuses links: a directory is trusted no more than a zip
         else:
             self._tmp = Path(tempfile.mkdtemp(prefix="scriptserve-", dir=workdir))
             try:
@@ -314,6 +317,10 @@ class ArchiveReader:
         self.close()
 
 
+# What zipfile, tarfile and their decompressors raise on damaged or truncated data.
+_CORRUPT = (zipfile.BadZipFile, tarfile.TarError, zlib.error, EOFError, gzip.BadGzipFile)
+
+
 def open_archive(
     path: Path,
     limits: ExtractionLimits | None = None,
@@ -330,6 +337,10 @@ def open_archive(
         reader = ArchiveReader(path, limits, workdir)
     except (UnsafeArchiveError, ManifestError) as exc:
         raise ArchiveError(f"{path.name}: {exc}") from None
+    except _CORRUPT as exc:
+        raise ArchiveError(
+            f"{path.name}: the archive is corrupt ({exc}); rebuild or download it again"
+        ) from None
     if verify and reader.manifest.scriptserve is not None:
         report = reader.verify()
         if not report.ok:

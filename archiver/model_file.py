@@ -62,7 +62,10 @@ def check_onnx_external_data(path: Path) -> None:
     import onnx
     from onnx.external_data_helper import uses_external_data
 
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError for a file that is not ONNX, and others
+        raise ModelFileError(f"the ONNX model does not load: {exc}") from None
     root = path.parent.resolve()
     for tensor in model.graph.initializer:
         if not uses_external_data(tensor):
@@ -123,6 +126,15 @@ def name_torchscript_outputs(result: Any) -> dict[str, Any]:
     )
 
 
+def _interpreter_message(exc: BaseException) -> str:
+    """The error itself, without the TorchScript interpreter's traceback of the scripted code."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith("RuntimeError:"):
+            return line.removeprefix("RuntimeError:").strip()
+    return lines[-1] if lines else type(exc).__name__
+
+
 def _probe_torchscript(path: Path, sample: Mapping[str, np.ndarray] | None) -> Signature:
     import torch
 
@@ -154,7 +166,9 @@ def _probe_torchscript(path: Path, sample: Mapping[str, np.ndarray] | None) -> S
     except ModelFileError:
         raise
     except Exception as exc:
-        raise ModelFileError(f"the TorchScript model failed on the sample input: {exc}") from None
+        raise ModelFileError(
+            f"the TorchScript model failed on the sample input: {_interpreter_message(exc)}"
+        ) from None
     inputs = tuple(
         TensorSpec(name, datatype_of(sample[name].dtype), (-1, *sample[name].shape[1:]))
         for name in arg_names
