@@ -133,6 +133,8 @@ async def serve(settings: ServerSettings) -> int:
         if stop.is_set():
             break
         await registry.load(path, name, startup=True)
+    dataplane.starting = False
+    await grpc_servers.serving()
     log.info(
         "startup complete: %d model version(s) ready",
         sum(mv.ready for mv in registry.all_versions()),

@@ -35,6 +35,11 @@ SERVER_NAME = "scriptserve"
 EXTENSIONS = ("binary_tensor_data",)
 UNKNOWN_LABEL = "_unknown"
 """Metric label of a model or version the registry does not hold (no model name starts with _)."""
+CLIENT_CLOSED = 499
+"""Metric status of a request whose client went away first (nginx's "client closed request")."""
+DEADLINE_SLACK_S = 0.05
+"""How near its deadline a call counts as expired: the client's timer and the server's differ by
+the network's latency, so a client's cancel may arrive just before the server's deadline."""
 _PLATFORMS = {"torchscript": "pytorch_torchscript", "onnx": "onnxruntime_onnx"}
 
 
@@ -62,6 +67,8 @@ class DataPlane:
         self.registry = registry
         self.metrics = metrics
         self.settings = settings
+        self.starting = True
+        """Until the models named at startup have all been loaded (or have failed)."""
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -70,8 +77,9 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        """Ready for traffic: not draining and every model that should be loaded is ready."""
-        return not self.draining and self.registry.healthy()
+        """Ready for traffic: started, not draining, and every model that should be loaded is
+        ready (the registry only holds the startup models it has begun loading)."""
+        return not self.starting and not self.draining and self.registry.healthy()
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
         return not self.draining and self.registry.get(name, version).ready
@@ -119,6 +127,12 @@ class DataPlane:
         except ServingError as exc:
             status = exc.status
             raise
+        except asyncio.CancelledError:
+            # The client cancelled, or its own deadline ended the call first: not a server error.
+            elapsed = time.perf_counter() - started
+            expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
+            status = DeadlineExceeded.status if expired else CLIENT_CLOSED
+            raise
         finally:
             label_model = name
             if label_version is None:
@@ -143,7 +157,7 @@ class DataPlane:
         budget = mv.settings.response_timeout_s
         if timeout_s is not None:
             if timeout_s <= 0:
-                raise InvalidInput("the request timeout must be positive")
+                raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
         loop = asyncio.get_running_loop()
         job = Job(request, loop.create_future(), deadline=time.monotonic() + budget)

@@ -1,7 +1,8 @@
 """The gRPC servers: inference (OIP v2 + TorchServe) and management, on the HTTP apps' loop.
 
-Both serve the standard health service (`grpc.health.v1`) and server reflection. On drain the
-health status turns NOT_SERVING and in-flight calls get the drain timeout to finish.
+Both serve the standard health service (`grpc.health.v1`) and server reflection. The inference
+port says SERVING once the startup models are loaded (as /v2/health/ready does); on drain both
+turn NOT_SERVING and in-flight calls get the drain timeout to finish.
 """
 
 from __future__ import annotations
@@ -70,11 +71,21 @@ class GrpcServers:
         return ports[0], ports[1]
 
     async def start(self) -> None:
+        """Listen; the inference port's health is NOT_SERVING until `serving()` is called."""
         await self.inference.start()
         await self.management.start()
-        for checker, services in zip(self._health, self._services, strict=True):
+        statuses = (
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+            health_pb2.HealthCheckResponse.SERVING,
+        )
+        for checker, services, status in zip(self._health, self._services, statuses, strict=True):
             for name in ["", *services]:
-                await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+                await checker.set(name, status)
+
+    async def serving(self) -> None:
+        """The startup models are loaded: the inference port's health turns SERVING."""
+        for name in ["", *self._services[0]]:
+            await self._health[0].set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float) -> None:
         for checker in self._health:

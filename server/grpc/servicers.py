@@ -6,16 +6,17 @@ A client deadline shortens the request's own; a cancelled call frees its queue s
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import empty_pb2
 
-from server.dataplane import DataPlane, prediction_payload
-from server.errors import ServingError
+from server.dataplane import DEADLINE_SLACK_S, DataPlane, prediction_payload
+from server.errors import DeadlineExceeded, ServingError
 from server.grpc import converters
 from server.grpc._generated import inference_pb2 as ts
 from server.grpc._generated import inference_pb2_grpc as ts_grpc
@@ -33,6 +34,24 @@ def status_code(error: ServingError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.grpc_code, grpc.StatusCode.INTERNAL)
 
 
+async def abort(context: grpc.aio.ServicerContext, error: ServingError) -> NoReturn:
+    """End the call with the error's gRPC code and message.
+
+    When the call's own deadline is (about to be) reached, gRPC core answers DEADLINE_EXCEEDED
+    itself; a status sent now would race it and fail in core with a logged traceback, so the
+    handler just stops.
+    """
+    remaining = context.time_remaining()
+    if (
+        isinstance(error, DeadlineExceeded)
+        and remaining is not None
+        and remaining <= DEADLINE_SLACK_S
+    ):
+        raise asyncio.CancelledError
+    await context.abort(status_code(error), error.message)
+    raise AssertionError("context.abort returned")  # it raises
+
+
 def translated(method: Handler[R]) -> Handler[R]:
     """Abort the call with the error's gRPC code and message on any ServingError."""
 
@@ -41,8 +60,7 @@ def translated(method: Handler[R]) -> Handler[R]:
         try:
             return await method(self, request, context)
         except ServingError as exc:
-            await context.abort(status_code(exc), exc.message)
-            raise  # abort raises; this line is never reached
+            await abort(context, exc)
 
     return call
 
@@ -132,7 +150,7 @@ class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
         try:
             yield await self._predict(request, context)
         except ServingError as exc:
-            await context.abort(status_code(exc), exc.message)
+            await abort(context, exc)
 
     async def StreamPredictions2(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext

@@ -1,0 +1,140 @@
+"""Fixtures for the gRPC tests: a slow server (one worker, a 0.3 s handler, a 64 KiB message
+limit) shared by the back-pressure and load tests, and a TorchServe client generated from the
+project's protos the way a TorchServe user makes one.
+
+The OIP proto is never compiled in the test process: tritonclient registers package `inference`
+in the default descriptor pool, and the same message names twice would collide.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving import ServerProcess
+from testmodels import save_torchscript
+
+from archiver.cli import model_archiver_main
+
+ROOT = Path(__file__).resolve().parents[3]
+PROTO_DIR = ROOT / "server" / "grpc" / "proto"
+SLEEP_S = 0.3
+MAX_MESSAGE_BYTES = 65536
+MAX_BATCH = 32
+
+SLOW_HANDLER = f"""
+import time
+
+from handlers.tensor import TensorHandler
+
+
+class SlowHandler(TensorHandler):
+    def inference(self, batch):
+        time.sleep({SLEEP_S})  # the workload: each batch keeps the one worker this busy
+        return super().inference(batch)
+"""
+
+
+def proto_include_paths() -> list[Path]:
+    """grpc_tools' well-known types and googleapis-common-protos (google/rpc/status.proto)."""
+    import google.rpc
+    import grpc_tools
+
+    common = Path(next(iter(google.rpc.__path__))).parent.parent
+    return [Path(grpc_tools.__file__).parent / "_proto", common]
+
+
+@pytest.fixture(scope="session")
+def torchserve_stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """`inference_pb2[_grpc]` and `management_pb2[_grpc]` compiled with grpc_tools.protoc from
+    server/grpc/proto/, as TorchServe's docs compile its own protos."""
+    from grpc_tools import protoc
+
+    out = tmp_path_factory.mktemp("torchserve_client")
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        *(f"-I{p}" for p in proto_include_paths()),
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        "inference.proto",
+        "management.proto",
+    ]
+    assert protoc.main(args) == 0
+    names = ["inference_pb2", "inference_pb2_grpc", "management_pb2", "management_pb2_grpc"]
+    assert not any(name in sys.modules for name in names)
+    sys.path.insert(0, str(out))
+    try:
+        modules = {name: importlib.import_module(name) for name in names}
+    finally:
+        sys.path.remove(str(out))
+    yield SimpleNamespace(
+        ts=modules["inference_pb2"],
+        ts_grpc=modules["inference_pb2_grpc"],
+        mgmt=modules["management_pb2"],
+        mgmt_grpc=modules["management_pb2_grpc"],
+    )
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def build_archive(
+    store: Path, work: Path, name: str, model: Path, handler: str, config: dict[str, Any]
+) -> None:
+    sample = work / "sample.json"
+    sample.write_text(json.dumps([0.5] * 8))
+    argv = [
+        "--model-name", name, "--version", "1.0", "--serialized-file", str(model),
+        "--handler", handler, "--sample-input", str(sample), "--export-path", str(store),
+    ]  # fmt: skip
+    if config:
+        config_file = work / f"{name}.yaml"
+        config_file.write_text(json.dumps(config))  # JSON is YAML
+        argv += ["--config-file", str(config_file)]
+    assert model_archiver_main(argv) == 0
+
+
+@pytest.fixture(scope="session")
+def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One worker per model, batches of up to 32, gRPC messages up to 64 KiB. `slow` queues up
+    to 2000 requests; `slow_q1` (same handler) has room for one waiting request."""
+    root = tmp_path_factory.mktemp("slow")
+    work, store = root / "work", root / "store"
+    work.mkdir()
+    model = save_torchscript(work / "tiny.pt")
+    handler = work / "slow_handler.py"
+    handler.write_text(textwrap.dedent(SLOW_HANDLER))
+    build_archive(store, work, "slow", model, str(handler), {})
+    build_archive(store, work, "slow_q1", model, str(handler), {"jobQueueSize": 1})
+    proc = ServerProcess(
+        store, "--workers", "1", "--queue-size", "2000", "--max-batch-size", str(MAX_BATCH),
+        env={"SCRIPTSERVE_GRPC_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES)},
+    ).start()  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def metric(server: ServerProcess, name: str, **labels: str) -> float:
+    """One sample's value from the server's /metrics (0 when the series does not exist yet)."""
+    text = httpx.get(f"{server.metrics_url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def pending_requests(server: ServerProcess, model: str) -> int:
+    """`jobQueueStatus.pendingRequests` of the model's default version (REST describe)."""
+    r = httpx.get(f"{server.mgmt}/models/{model}")
+    assert r.status_code == 200, r.text
+    return int(r.json()[0]["jobQueueStatus"]["pendingRequests"])
