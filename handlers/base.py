@@ -18,6 +18,7 @@ one instance, and one copy of the model's weights.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ import numpy as np
 
 from archiver.manifest import Manifest
 from archiver.signature import Signature
+
+# Request ids: a random per-process prefix and a counter. uuid4() reads os.urandom, a system call
+# that drops and retakes the GIL on every request.
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}-{next(_ids):x}"
 
 
 class HandlerError(Exception):
@@ -54,7 +64,7 @@ class InferenceRequest:
     fields: dict[str, bytes] = field(default_factory=dict)
     parameters: dict[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=new_request_id)
 
 
 @dataclass

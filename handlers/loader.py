@@ -44,9 +44,23 @@ def read_model_config(root: Path, manifest: Manifest) -> dict[str, Any]:
     return data
 
 
+def _forget_helpers(names: set[str], model_dir: Path) -> None:
+    """Drop the archive's helper modules from sys.modules; the handler keeps its references.
+
+    Otherwise another archive's helper of the same name (a `model.py`, a `labels.py`) would be
+    served this archive's cached one.
+    """
+    root = model_dir.resolve()
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file and Path(file).resolve().is_relative_to(root):
+            del sys.modules[name]
+
+
 def _import_file(path: Path, model_dir: Path) -> Any:
-    # A unique module name per archive file: two models with a handler.py must not collide.
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    # A unique module name per archive file and content: two models with a handler.py must not
+    # collide, and a handler rebuilt in place (a `no-archive` directory) must not be served stale.
+    digest = hashlib.sha256(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:12]
     module_name = f"scriptserve_handler_{path.stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -55,6 +69,7 @@ def _import_file(path: Path, model_dir: Path) -> Any:
         raise HandlerError(f"handler file {path.name!r} cannot be imported")
     module = importlib.util.module_from_spec(spec)
     # The handler may import helper modules shipped beside it in the archive.
+    before = set(sys.modules)
     sys.path.insert(0, str(model_dir))
     try:
         spec.loader.exec_module(module)
@@ -62,6 +77,7 @@ def _import_file(path: Path, model_dir: Path) -> Any:
         raise HandlerError(f"handler file {path.name!r} failed to import: {exc!r}") from None
     finally:
         sys.path.remove(str(model_dir))
+        _forget_helpers(set(sys.modules) - before, model_dir)
     sys.modules[module_name] = module
     return module
 

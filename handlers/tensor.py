@@ -9,12 +9,13 @@ not fit the model's signature fails alone, with a message naming the input and w
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
+from handlers.backends import BackendError
 from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest, InferenceResponse
 
 
@@ -37,6 +38,8 @@ class TensorBatch:
 
 
 class TensorHandler(BaseHandler):
+    thread_safe = True  # per-batch state lives in TensorBatch, never on self
+
     def initialize(self, context: Context) -> None:
         super().initialize(context)
         self.signature: Signature = context.signature
@@ -48,8 +51,8 @@ class TensorHandler(BaseHandler):
         if request.body is None:
             raise SignatureError("the request has no input tensors and no body")
         try:
-            data = json.loads(request.body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            data = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
             raise SignatureError(f"the body is not valid JSON: {exc}") from None
         return self._bind_names(arrays_from_json(data, self.signature)), True
 
@@ -108,7 +111,13 @@ class TensorHandler(BaseHandler):
                 feed = group[0].arrays
             else:
                 feed = {n: np.concatenate([item.arrays[n] for item in group]) for n in names}
-            outputs = self.model.run(feed)
+            try:
+                outputs = self.model.run(feed)
+            except BackendError as exc:
+                # Only this group's requests fail: the others were batched apart from it.
+                for item in group:
+                    batch.errors[item.index] = InferenceResponse.failed(str(exc), 500)
+                continue
             total = sum(item.rows for item in group)
             for name, out in outputs.items():
                 if out.ndim == 0 or out.shape[0] != total:

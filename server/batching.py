@@ -2,10 +2,10 @@
 
 The event loop `submit`s jobs; it never blocks (a full queue raises `QueueFull` at once). A worker
 thread calls `next_batch`: it blocks for the first job, then takes whatever else is queued, up to
-`max_batch_size`. With `max_batch_delay` > 0 it waits for more until the first job has waited that
-long; with 0 it never waits, so batches form only from requests that arrived while workers were
-busy. Jobs past their deadline are handed back separately, to be answered 504 without running;
-cancelled jobs (client gone, timed out) have already left the count and are dropped.
+`max_batch_size`. With `max_batch_delay` > 0 it waits for more until the first job has waited
+that long; with 0 it never waits, so batches form only from requests that arrived while workers
+were busy. Jobs past their deadline are handed back separately, to be answered 504 without
+running; cancelled jobs (client gone, timed out) have already left the count and are dropped.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._pending = 0
         self._closed = False
+        # Workers blocked in wait() and wake-ups sent to them but not yet taken: submit wakes a
+        # worker only when one is idle and not already woken (a wake-up is a futex call, paid
+        # on the event loop for every request otherwise).
+        self._idle = 0
+        self._woken = 0
 
     @property
     def depth(self) -> int:
@@ -66,7 +71,9 @@ class DynamicBatcher:
                 )
             self._queue.append(job)
             self._pending += 1
-            self._cond.notify()
+            if self._idle > self._woken:
+                self._woken += 1
+                self._cond.notify()
 
     def cancel(self, job: Job) -> None:
         """Forget a job the client no longer waits for; frees its slot if still queued."""
@@ -96,6 +103,15 @@ class DynamicBatcher:
             self._pending = 0
             return jobs
 
+    def _wait(self, timeout_s: float) -> None:
+        """Wait on the condition as an idle worker (the lock is held)."""
+        self._idle += 1
+        try:
+            self._cond.wait(timeout_s)
+        finally:
+            self._idle -= 1
+            self._woken = min(self._woken, self._idle)
+
     def _pop_live(self, now: float, batch: Batch) -> None:
         while self._queue and len(batch.jobs) < self.max_batch_size:
             job = self._queue.popleft()
@@ -116,7 +132,7 @@ class DynamicBatcher:
                 self._pop_live(time.monotonic(), batch)
                 if batch.jobs or batch.expired:
                     break
-                self._cond.wait(poll_s)
+                self._wait(poll_s)
             if self.max_batch_delay_s > 0 and batch.jobs:
                 until = batch.jobs[0].enqueued + self.max_batch_delay_s
                 while len(batch.jobs) < self.max_batch_size and not stop.is_set():
@@ -124,13 +140,14 @@ class DynamicBatcher:
                     if remaining <= 0:
                         break
                     if not self._queue:
-                        self._cond.wait(remaining)
+                        self._wait(remaining)
                     self._pop_live(time.monotonic(), batch)
                 # The delay is queueing time too: the jobs are taken when the batch is handed over.
                 handed = time.monotonic()
                 for job in batch.jobs:
                     job.dequeued = handed
             # Another worker may be idle while jobs remain (we took at most a full batch).
-            if self._queue:
+            if self._queue and self._idle > self._woken:
+                self._woken += 1
                 self._cond.notify()
         return batch

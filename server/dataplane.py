@@ -7,11 +7,13 @@ the deadline is enforced here with a timer, so a client gets 504 on time whateve
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import orjson
 
 from archiver import __version__
 from archiver.signature import TensorSpec
@@ -31,6 +33,7 @@ from server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.dataplane")
 
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 SERVER_NAME = "scriptserve"
 EXTENSIONS = ("binary_tensor_data",)
 UNKNOWN_LABEL = "_unknown"
@@ -292,12 +295,21 @@ class DataPlane:
         await self.registry.close(self.settings.drain_timeout_s)
 
 
+def _json_default(value: Any) -> Any:
+    """What orjson cannot write itself: non-contiguous arrays, numpy scalars, odd dtypes."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
 def prediction_payload(response: InferenceResponse) -> tuple[bytes, str]:
     """The bytes and content type of a TorchServe-style prediction (REST and gRPC alike)."""
     if isinstance(response.body, (bytes, bytearray)):
         return bytes(response.body), response.content_type or "application/octet-stream"
     if response.body is not None:
-        return json.dumps(response.body).encode(), response.content_type or "application/json"
-    tensors = {name: t.tolist() for name, t in response.outputs.items()}
-    value: Any = next(iter(tensors.values())) if len(tensors) == 1 else tensors
-    return json.dumps(value).encode(), "application/json"
+        content_type = response.content_type or "application/json"
+        return orjson.dumps(response.body, default=_json_default, option=_NUMPY), content_type
+    # orjson writes numpy arrays directly, without a tolist() round trip.
+    outputs = response.outputs
+    value: Any = next(iter(outputs.values())) if len(outputs) == 1 else outputs
+    return orjson.dumps(value, default=_json_default, option=_NUMPY), "application/json"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -89,6 +90,9 @@ class ServerMetrics:
             "scriptserve_batch_size", "Requests per batch run by a worker",
             ["model", "version"], buckets=_BATCH_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        # Label children of observe_request, looked up once: labels() costs a lock and a tuple.
+        # Bounded: unknown model names are all labelled "_unknown".
+        self._request_children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self.worker_restarts = Counter(
             "scriptserve_worker_restarts", "Workers replaced after dying or hanging",
             ["model", "version"], registry=self.registry,
@@ -104,8 +108,16 @@ class ServerMetrics:
     def observe_request(
         self, model: str, version: str, protocol: str, status: int, seconds: float
     ) -> None:
-        self.requests.labels(model, version, protocol, str(status)).inc()
-        self.request_latency.labels(model, version, protocol).observe(seconds)
+        key = (model, version, protocol, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(model, version, protocol, str(status)),
+                self.request_latency.labels(model, version, protocol),
+            )
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

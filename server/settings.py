@@ -99,6 +99,9 @@ class ServerSettings(BaseSettings):
     workers_per_model: int | None = Field(default=None, ge=1)
     """Default workers per model: cores / intra-op threads on CPU, one per GPU."""
 
+    gil_switch_interval_ms: float = Field(default=1.0, gt=0)
+    """How long a thread may hold the GIL while another waits for it (Python's default is 5 ms).
+    A worker whose model call has finished waits this long, at most, for the event loop."""
     max_batch_size: int = Field(default=32, ge=1)
     max_batch_delay_ms: float = Field(default=0.0, ge=0)
     """How long a partial batch may wait for more requests; 0 never waits."""

@@ -5,15 +5,14 @@ Routes decode the wire format, call the data plane, and encode its answer; nothi
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 
-from handlers.base import InferenceRequest, InferenceResponse
-from server.dataplane import DataPlane
+from handlers.base import InferenceRequest
+from server.dataplane import DataPlane, prediction_payload
 from server.errors import InvalidInput
 from server.rest import oip
 from server.rest.errors import install_error_handlers
@@ -25,7 +24,7 @@ _JSON = "application/json"
 async def _predictions_request(request: Request) -> InferenceRequest:
     """TorchServe-style input: raw body (`curl -T`, JSON) or multipart fields by name."""
     content_type = request.headers.get("content-type", "")
-    headers = dict(request.headers)
+    headers = request.headers
     if content_type.startswith("multipart/form-data"):
         fields: dict[str, bytes] = {}
         form = await request.form()
@@ -40,18 +39,6 @@ async def _predictions_request(request: Request) -> InferenceRequest:
     if not body:
         raise InvalidInput("the request has no body; send the model's input")
     return InferenceRequest(body=body, content_type=content_type or None, headers=headers)
-
-
-def _predictions_response(response: InferenceResponse) -> Response:
-    if isinstance(response.body, (bytes, bytearray)):
-        return Response(
-            bytes(response.body), media_type=response.content_type or "application/octet-stream"
-        )
-    if response.body is not None:
-        return Response(json.dumps(response.body), media_type=response.content_type or _JSON)
-    tensors = {name: t.tolist() for name, t in response.outputs.items()}
-    value: Any = next(iter(tensors.values())) if len(tensors) == 1 else tensors
-    return Response(json.dumps(value), media_type=_JSON)
 
 
 def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> FastAPI:
@@ -75,7 +62,8 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     async def predict(request: Request, model_name: str, version: str | None) -> Response:
         inference = await _predictions_request(request)
         response = await dataplane.infer(model_name, version, inference, "rest")
-        return _predictions_response(response)
+        payload, content_type = prediction_payload(response)
+        return Response(payload, media_type=content_type)
 
     @app.post("/predictions/{model_name}", tags=["TorchServe"])
     async def predictions(request: Request, model_name: str) -> Response:
@@ -133,7 +121,7 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         resolved = dataplane.resolve_version(model_name, version)  # 404 before parsing the body
         decoded = oip.decode_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
         inference = InferenceRequest(
-            inputs=decoded.inputs, parameters=decoded.parameters, headers=dict(request.headers)
+            inputs=decoded.inputs, parameters=decoded.parameters, headers=request.headers
         )
         if decoded.id:
             inference.request_id = decoded.id

@@ -7,12 +7,12 @@ row-major; a BYTES element is a 4-byte little-endian length and the bytes.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from archiver.signature import datatype_of
 from server.errors import InvalidInput
@@ -79,8 +79,8 @@ def decode_request(body: bytes, header_length: str | None) -> OipRequest:
     else:
         split = len(body)
     try:
-        doc = json.loads(body[:split])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        doc = orjson.loads(body[:split])
+    except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise InvalidInput("the request must be a JSON object with a non-empty 'inputs' list")
@@ -150,7 +150,7 @@ def encode_response(
     if request.id is not None:
         doc["id"] = request.id
     doc["outputs"] = entries
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    header = orjson.dumps(doc)
     if not blobs:
         return header, None
     return header + b"".join(blobs), len(header)
