@@ -1,0 +1,193 @@
+"""The TorchScript and ONNX backends: load, run, fail clearly, and serve threads concurrently."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyMLP, reference_output, save_onnx, save_torchscript
+from torch import nn
+
+from archiver.manifest import ModelFormat
+from handlers.backends import BackendError, ModelBackend, load_backend, parse_device
+
+OUTPUT_NAME: dict[ModelFormat, str] = {"torchscript": "output0", "onnx": "y"}
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class ReshapingMLP(nn.Module):
+    """TinyMLP behind a reshape, so a wrong width fails inside the interpreter, not at the door."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.reshape(x.shape[0], 4, 2).flatten(1))
+
+
+def model_file(tmp_path: Path, fmt: ModelFormat) -> Path:
+    if fmt == "onnx":
+        return save_onnx(tmp_path / "tiny.onnx")
+    return save_torchscript(tmp_path / "tiny.pt")
+
+
+def inputs(rows: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 8)).astype(np.float32)
+
+
+@pytest.fixture(params=["torchscript", "onnx"])
+def fmt(request: pytest.FixtureRequest) -> ModelFormat:
+    value: ModelFormat = request.param
+    return value
+
+
+@pytest.fixture
+def backend(tmp_path: Path, fmt: ModelFormat) -> ModelBackend:
+    return load_backend(model_file(tmp_path, fmt), fmt, device="cpu", intra_op_threads=1)
+
+
+def test_runs_on_cpu_and_matches_eager_model(backend: ModelBackend, fmt: ModelFormat) -> None:
+    x = inputs(5, seed=1)
+
+    outputs = backend.run({"x": x})
+
+    assert backend.device == "cpu"
+    assert backend.input_names == ("x",)
+    assert set(outputs) == {OUTPUT_NAME[fmt]}
+    assert outputs[OUTPUT_NAME[fmt]].shape == (5, 3)
+    np.testing.assert_allclose(outputs[OUTPUT_NAME[fmt]], reference_output(x), rtol=1e-5, atol=1e-6)
+
+
+def test_onnx_backend_names_its_outputs(tmp_path: Path) -> None:
+    backend = load_backend(model_file(tmp_path, "onnx"), "onnx", intra_op_threads=1)
+
+    assert backend.output_names == ("y",)
+
+
+def test_missing_input_is_a_backend_error(backend: ModelBackend) -> None:
+    with pytest.raises(BackendError, match=r"^missing model input\(s\): x$"):
+        backend.run({"not_x": inputs(1, seed=0)})
+
+
+def test_torchscript_failure_at_run_time_has_no_traceback(tmp_path: Path) -> None:
+    path = save_torchscript(tmp_path / "reshaping.pt", ReshapingMLP())
+    backend = load_backend(path, "torchscript", intra_op_threads=1)
+
+    with pytest.raises(BackendError) as info:
+        backend.run({"x": np.ones((2, 5), np.float32)})
+
+    message = str(info.value)
+    assert message == "the model failed: shape '[2, 4, 2]' is invalid for input of size 10"
+    assert "Traceback" not in message
+    assert 'File "' not in message
+
+
+def test_onnx_failure_at_run_time_has_no_traceback(tmp_path: Path) -> None:
+    path = save_onnx(tmp_path / "tiny.onnx")
+    backend = load_backend(path, "onnx", intra_op_threads=1)
+
+    with pytest.raises(BackendError) as info:
+        backend.run({"x": np.ones((2, 5), np.float32)})
+
+    message = str(info.value)
+    assert message.startswith("the ONNX model failed: ")
+    assert "Expected: 8" in message
+    assert "Traceback" not in message
+    assert 'File "' not in message
+
+
+def test_a_file_that_is_no_model_does_not_load(tmp_path: Path, fmt: ModelFormat) -> None:
+    path = tmp_path / ("junk.onnx" if fmt == "onnx" else "junk.pt")
+    path.write_bytes(b"not a model")
+
+    with pytest.raises(BackendError, match="model does not load"):
+        load_backend(path, fmt, intra_op_threads=1)
+
+
+@pytest.mark.parametrize(
+    ("device", "parsed"), [("cpu", ("cpu", 0)), ("cuda", ("cuda", 0)), ("cuda:1", ("cuda", 1))]
+)
+def test_parse_device_accepts_cpu_and_cuda(device: str, parsed: tuple[str, int]) -> None:
+    assert parse_device(device) == parsed
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "gpu:0", "CPU", "cpu:0"])
+def test_parse_device_rejects_other_devices(device: str) -> None:
+    with pytest.raises(BackendError, match=r"unknown device .*; use 'cpu' or 'cuda:N'"):
+        parse_device(device)
+
+
+def test_load_backend_rejects_an_unknown_device(torchscript_file: Path) -> None:
+    with pytest.raises(BackendError, match="unknown device 'tpu'"):
+        load_backend(torchscript_file, "torchscript", device="tpu")
+
+
+def test_one_backend_serves_two_threads_concurrently(
+    backend: ModelBackend, fmt: ModelFormat
+) -> None:
+    runs_per_thread = 50
+    # Expected outputs are computed up front: TinyMLP() reseeds torch's global RNG, so building
+    # reference models in two threads at once would race.
+    work_items = {
+        thread: [inputs(1 + run % 4, seed=thread * 1000 + run) for run in range(runs_per_thread)]
+        for thread in range(2)
+    }
+    expected = {t: [reference_output(x) for x in xs] for t, xs in work_items.items()}
+    results: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(thread: int) -> None:
+        start.wait()
+        try:
+            for x in work_items[thread]:
+                results[thread].append(backend.run({"x": x})[OUTPUT_NAME[fmt]])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    for thread in range(2):
+        assert len(results[thread]) == runs_per_thread
+        for got, want in zip(results[thread], expected[thread], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_runs_on_cuda_like_on_cpu(tmp_path: Path, fmt: ModelFormat) -> None:
+    path = model_file(tmp_path, fmt)
+    cpu = load_backend(path, fmt, device="cpu", intra_op_threads=1)
+    cuda = load_backend(path, fmt, device="cuda:0", intra_op_threads=1)
+    x = inputs(16, seed=3)
+
+    on_cuda = cuda.run({"x": x})[OUTPUT_NAME[fmt]]
+
+    assert cuda.device == "cuda:0"
+    assert isinstance(on_cuda, np.ndarray)
+    np.testing.assert_allclose(on_cuda, cpu.run({"x": x})[OUTPUT_NAME[fmt]], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_torchscript_fp16_on_cuda_stays_close(torchscript_file: Path) -> None:
+    backend = load_backend(
+        torchscript_file, "torchscript", device="cuda:0", options={"precision": "fp16"}
+    )
+    x = inputs(16, seed=4)
+
+    out = backend.run({"x": x})["output0"]
+
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, reference_output(x), atol=1e-2)
