@@ -5,11 +5,14 @@ Routes decode the wire format, call the data plane, and encode its answer; nothi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
+from starlette.routing import request_response as starlette_request_response
 
 from handlers.base import InferenceRequest
 from server.dataplane import DataPlane, prediction_payload
@@ -41,6 +44,48 @@ async def _predictions_request(request: Request) -> InferenceRequest:
     return InferenceRequest(body=body, content_type=content_type or None, headers=headers)
 
 
+class DirectRoute(APIRoute):
+    """A route whose endpoint takes the Request and returns a Response itself.
+
+    It is documented like any FastAPI route, but served by Starlette's plain request/response
+    wrapper: no dependency solving and no per-call exit stacks, which cost ~15 % of the event
+    loop's time per request on the inference path (measured: 0.77x -> 0.91x of a bare FastAPI
+    endpoint's requests/s in benchmark scenario A). Errors still reach the app's handlers.
+    """
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        self.app = starlette_request_response(endpoint)
+
+
+def _direct_post(
+    app: FastAPI, path: str, tag: str, *params: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a POST endpoint as a DirectRoute whose path parameters are strings."""
+
+    def register(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+        app.router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            tags=[tag],
+            openapi_extra=_path_params(*params),
+            route_class_override=DirectRoute,
+        )
+        return endpoint
+
+    return register
+
+
+def _path_params(*names: str) -> dict[str, Any]:
+    """OpenAPI description of string path parameters a route reads itself."""
+    return {
+        "parameters": [
+            {"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names
+        ]
+    }
+
+
 def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> FastAPI:
     app = FastAPI(
         title="scriptserve inference API",
@@ -65,13 +110,16 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         payload, content_type = prediction_payload(response)
         return Response(payload, media_type=content_type)
 
-    @app.post("/predictions/{model_name}", tags=["TorchServe"])
-    async def predictions(request: Request, model_name: str) -> Response:
-        return await predict(request, model_name, None)
+    # The inference routes are DirectRoutes: they read their own path parameters and skip
+    # FastAPI's per-call machinery; they are still described in the OpenAPI document.
+    @_direct_post(app, "/predictions/{model_name}", "TorchServe", "model_name")
+    async def predictions(request: Request) -> Response:
+        return await predict(request, request.path_params["model_name"], None)
 
-    @app.post("/predictions/{model_name}/{version}", tags=["TorchServe"])
-    async def predictions_version(request: Request, model_name: str, version: str) -> Response:
-        return await predict(request, model_name, version)
+    @_direct_post(app, "/predictions/{model_name}/{version}", "TorchServe", "model_name", "version")
+    async def predictions_version(request: Request) -> Response:
+        params = request.path_params
+        return await predict(request, params["model_name"], params["version"])
 
     # -- Open Inference Protocol v2 ----------------------------------------------------------
     @app.get("/v2", tags=["OIP v2"])
@@ -139,12 +187,15 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
             headers={oip.HEADER_LENGTH: str(header_length)},
         )
 
-    @app.post("/v2/models/{model_name}/infer", tags=["OIP v2"])
-    async def infer_default(request: Request, model_name: str) -> Response:
-        return await infer(request, model_name, None)
+    @_direct_post(app, "/v2/models/{model_name}/infer", "OIP v2", "model_name")
+    async def infer_default(request: Request) -> Response:
+        return await infer(request, request.path_params["model_name"], None)
 
-    @app.post("/v2/models/{model_name}/versions/{version}/infer", tags=["OIP v2"])
-    async def infer_version(request: Request, model_name: str, version: str) -> Response:
-        return await infer(request, model_name, version)
+    @_direct_post(
+        app, "/v2/models/{model_name}/versions/{version}/infer", "OIP v2", "model_name", "version"
+    )
+    async def infer_version(request: Request) -> Response:
+        params = request.path_params
+        return await infer(request, params["model_name"], params["version"])
 
     return app

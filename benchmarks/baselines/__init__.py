@@ -1,0 +1,1 @@
+"""Hand-written FastAPI servers that scriptserve is measured against (run under uvicorn)."""

@@ -1,0 +1,115 @@
+"""The benchmark models: built with fixed seeds, scripted, archived, and timed in-process.
+
+- `mlp`: 512 -> 1024 -> 1024 -> 10; cheap enough that serving overhead dominates (scenario A).
+- `cnn`: a small VGG-style CNN on 3x32x32 (two 3x3 convs per stage, 32/64/128 channels, about
+  39 M multiply-adds), where the model's own compute is the larger part of a request (scenario B).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from archiver.cli import model_archiver_main
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.layers(x)
+        return y
+
+
+def _conv(cin: int, cout: int) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            *_conv(3, 32), *_conv(32, 32), nn.MaxPool2d(2),
+            *_conv(32, 64), *_conv(64, 64), nn.MaxPool2d(2),
+            *_conv(64, 128), *_conv(128, 128), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.head = nn.Linear(128 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.head(torch.flatten(self.features(x), 1))
+        return y
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A scripted model on disk, its archive, and one request body (one row as a JSON array)."""
+
+    name: str
+    scripted: Path
+    archive: Path
+    body: Path
+    row_shape: tuple[int, ...]
+
+
+_MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
+    "mlp": (MLP, (512,)),
+    "cnn": (SmallCNN, (3, 32, 32)),
+}
+
+
+def build(name: str, workdir: Path, store: Path) -> BenchModel:
+    """Script `name` with seed 0, write a one-row JSON body, archive both into `store`."""
+    cls, row_shape = _MODELS[name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    store.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    scripted = workdir / f"{name}.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(cls().eval()).save(str(scripted))  # type: ignore[no-untyped-call]
+    # float64 before rounding, so the JSON holds short decimals rather than float32 expansions.
+    row = np.random.default_rng(0).standard_normal(row_shape)
+    body = workdir / f"{name}.json"
+    body.write_text(json.dumps(np.round(row, 4).tolist()))
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints the archive's path
+        model_archiver_main([
+            "--model-name", name, "--version", "1.0", "--serialized-file", str(scripted),
+            "--handler", "tensor", "--sample-input", str(body), "--export-path", str(store), "-f",
+        ])  # fmt: skip
+    return BenchModel(name, scripted, store / f"{name}.mar", body, row_shape)
+
+
+def model_latency_ms(model: BenchModel, threads: int, runs: int = 2000) -> float:
+    """Median in-process latency of the scripted model at batch 1, on `threads` intra-op threads.
+
+    This is the floor for a one-connection request: the server runs the same module on the
+    same input, so anything above it is serving overhead (HTTP, JSON, queueing, threads).
+    """
+    torch.set_num_threads(threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = torch.jit.load(str(model.scripted)).eval()  # type: ignore[no-untyped-call]
+    x = torch.from_numpy(np.asarray(json.loads(model.body.read_text()), np.float32)[None])
+    times = []
+    with torch.inference_mode():
+        for _ in range(max(10, runs // 10)):
+            module(x)
+        for _ in range(runs):
+            started = time.perf_counter()
+            module(x)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000

@@ -1,0 +1,147 @@
+"""Servers under test as subprocesses on free loopback ports: scriptserve and the baselines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """A server command that answers `ready_path` with 200 once started; a context manager."""
+
+    def __init__(
+        self, label: str, argv: list[str], port: int, ready_path: str, env: dict[str, str]
+    ) -> None:
+        self.label = label
+        self.argv = argv
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.ready_path = ready_path
+        self.env = env
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_url: str | None = None
+        """scriptserve's Prometheus endpoint, where batch sizes are read."""
+
+    def __enter__(self) -> ServerProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(
+            self.argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(timeout_s=120.0)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"{self.label} not ready within {timeout_s:g} s:\n{self.output()}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process and its children so far."""
+        assert self.proc is not None
+        proc = psutil.Process(self.proc.pid)
+        total = 0.0
+        for p in [proc, *proc.children(recursive=True)]:
+            times = p.cpu_times()
+            total += times.user + times.system
+        return total
+
+    def batch_counts(self) -> tuple[float, float]:
+        """(requests, batches) run so far, from scriptserve's batch-size histogram; else zeros."""
+        if self.metrics_url is None:
+            return 0.0, 0.0
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
+            text = answer.read().decode()
+        figures = {"sum": 0.0, "count": 0.0}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            for kind in figures:
+                if name.startswith(f"scriptserve_batch_size_{kind}{{"):
+                    figures[kind] += float(value)
+        return figures["sum"], figures["count"]
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def scriptserve(
+    label: str, store: Path, model: str, workers: int, intra_op_threads: int, max_batch_size: int
+) -> ServerProcess:
+    """`python -m server serve` on free ports, batching with no delay (`--max-batch-delay 0`).
+
+    Readiness is polled on the model itself: the server-wide /v2/health/ready answers 200 while
+    the startup models are still being registered.
+    """
+    port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+    argv = [
+        sys.executable, "-m", "server", "serve",
+        "--model-store", str(store), "--models", "all", "--device", "cpu",
+        "--inference-address", f"127.0.0.1:{port}",
+        "--management-address", f"127.0.0.1:{mgmt}",
+        "--metrics-address", f"127.0.0.1:{metrics}",
+        "--grpc-inference-address", f"127.0.0.1:{grpc}",
+        "--grpc-management-address", f"127.0.0.1:{grpc_mgmt}",
+        "--workers", str(workers), "--intra-op-threads", str(intra_op_threads),
+        "--max-batch-size", str(max_batch_size), "--max-batch-delay", "0",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    server = ServerProcess(label, argv, port, f"/v2/models/{model}/ready", {})
+    server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+    return server
+
+
+def uvicorn_app(label: str, app: str, env: dict[str, str], factory: bool = False) -> ServerProcess:
+    """A baseline app under uvicorn with scriptserve's HTTP stack (uvloop + httptools)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+        "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
+        *(["--factory"] if factory else []),
+    ]  # fmt: skip
+    return ServerProcess(label, argv, port, "/", env)
