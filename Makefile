@@ -30,5 +30,10 @@ lint: install
 gen-proto: install
 	$(PYTHON) scripts/gen_proto.py
 
+# Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client).
 bench: install
+	command -v wrk >/dev/null && command -v h2load >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq wrk nghttp2-client)
 	$(PYTHON) benchmarks/handler_threads.py
+	$(PYTHON) -m benchmarks.http_load
+	$(PYTHON) -m benchmarks.grpc_load

@@ -1,4 +1,5 @@
-"""HTTP benchmarks of scriptserve against hand-written FastAPI baselines.
+"""Benchmarks of scriptserve: HTTP against hand-written FastAPI baselines, gRPC beside REST.
 
 python -m benchmarks.http_load
+python -m benchmarks.grpc_load
 """

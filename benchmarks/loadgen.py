@@ -1,19 +1,29 @@
-"""wrk as the load generator: closed-loop HTTP load, requests/s and latency percentiles.
+"""The load generators: closed-loop load, requests/s and latency percentiles.
 
-wrk's Lua `done` hook prints one JSON line with exact figures (requests, duration, errors and
-the 50/90/99th latency percentiles in microseconds), which is what gets parsed; `--latency`
-keeps wrk's own human-readable distribution in the raw output for anyone reading it.
+wrk (HTTP/1.1): its Lua `done` hook prints one JSON line with exact figures (requests, duration,
+errors and the 50/90/99th latency percentiles in microseconds), which is what gets parsed;
+`--latency` keeps wrk's own human-readable distribution in the raw output for anyone reading it.
+
+h2load (HTTP/2, so gRPC): its summary gives requests/s and the succeeded/failed counts and status
+classes; the percentiles come from its `--log-file`, one line per request of the measured run.
+h2load sees HTTP statuses only: a gRPC error is an HTTP 200 with a `grpc-status` trailer, so
+callers must check success another way (benchmarks/grpc_load.py counts the server's answers).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 _REPORT = """
 done = function(summary, latency, requests)
@@ -27,13 +37,15 @@ end
 """
 
 
-def _post_script(body: Path) -> str:
+def _post_script(body: Path, headers: Mapping[str, str]) -> str:
+    """POST the file's bytes as they are (Lua strings are binary-safe) with `headers`."""
     return (
         f"local f = assert(io.open({json.dumps(str(body))}, 'rb'))\n"
         "wrk.method = 'POST'\n"
         "wrk.body = f:read('*a')\n"
         "f:close()\n"
-        "wrk.headers['Content-Type'] = 'application/json'\n" + _REPORT
+        + "".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}\n" for k, v in headers.items())
+        + _REPORT
     )
 
 
@@ -46,8 +58,8 @@ class LoadResult:
     requests: int
     errors: int
     """Socket errors plus non-2xx/3xx answers; a run with errors is not comparable."""
-    wrk_cpu: float
-    """wrk's CPU time over the run's wall time (1.0 = one core busy)."""
+    client_cpu: float
+    """The load generator's CPU time over the run's wall time (1.0 = one core busy)."""
 
     def to_dict(self) -> dict[str, float | int]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -60,27 +72,48 @@ def wrk_path() -> str:
     return path
 
 
+def h2load_path() -> str:
+    path = shutil.which("h2load")
+    if path is None:
+        raise SystemExit("h2load is not installed: apt-get install -y nghttp2-client")
+    return path
+
+
+_JSON_POST = {"Content-Type": "application/json"}
+
+
+def _run(argv: list[str], out: Path) -> tuple[str, int, float, float]:
+    """Run a load generator: its output, exit code, CPU seconds used and wall-clock seconds."""
+    started = time.monotonic()
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall_s = time.monotonic() - started
+    cpu_s = usage.ru_utime + usage.ru_stime
+    return out.read_text(errors="replace"), os.waitstatus_to_exitcode(status), cpu_s, wall_s
+
+
 def run_wrk(
-    url: str, connections: int, seconds: float, threads: int, body: Path | None = None
+    url: str,
+    connections: int,
+    seconds: float,
+    threads: int,
+    body: Path | None = None,
+    headers: Mapping[str, str] = _JSON_POST,
 ) -> LoadResult:
-    """Load `url` for `seconds` (POST `body` as JSON, or GET when None) and summarise the run."""
+    """Load `url` for `seconds` (POST `body` with `headers`, or GET when None); summarise it."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "load.lua"
-        script.write_text(_post_script(body) if body is not None else _REPORT)
-        out = Path(tmp) / "wrk.out"
+        script.write_text(_post_script(body, headers) if body is not None else _REPORT)
         argv = [
             wrk_path(), f"-t{min(threads, connections)}", f"-c{connections}",
             f"-d{max(1, round(seconds))}s", "--timeout", "10s", "--latency",
             "-s", str(script), url,
         ]  # fmt: skip
-        with out.open("wb") as sink:
-            proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-        text = out.read_text(errors="replace")
+        text, code, cpu_s, _ = _run(argv, Path(tmp) / "wrk.out")
     line = next((ln for ln in text.splitlines() if ln.startswith("WRK_JSON ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed ({proc.returncode}): {' '.join(argv)}\n{text}")
+    if code != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({code}): {' '.join(argv)}\n{text}")
     r = json.loads(line.removeprefix("WRK_JSON "))
     duration_s = r["duration_us"] / 1e6
     errors = r["connect"] + r["read"] + r["write"] + r["status"] + r["timeout"]
@@ -91,13 +124,67 @@ def run_wrk(
         p99_ms=r["p99_us"] / 1000,
         requests=r["requests"],
         errors=errors,
-        wrk_cpu=(usage.ru_utime + usage.ru_stime) / duration_s,
+        client_cpu=cpu_s / duration_s,
+    )
+
+
+_H2_FINISHED = re.compile(r"^finished in [\d.]+m?s, ([\d.]+) req/s", re.MULTILINE)
+_H2_REQUESTS = re.compile(
+    r"^requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, \d+ failed, "
+    r"\d+ errored, (\d+) timeout",
+    re.MULTILINE,
+)
+
+
+def run_h2load(
+    url: str,
+    clients: int,
+    streams: int,
+    body: Path,
+    headers: Mapping[str, str],
+    threads: int = 1,
+    seconds: float | None = None,
+    requests: int | None = None,
+) -> LoadResult:
+    """POST `body` with `headers` to `url` over HTTP/2 (h2c, prior knowledge) from `clients`
+    connections of `streams` concurrent streams each, for `seconds` or exactly `requests` requests.
+
+    `requests` is the number answered; `errors` those answered with a status other than 2xx/3xx,
+    reset or timed out (as wrk counts them). h2load's own warm-up is not used: a caller warms up
+    with a separate run, so that the server's count over a measured run can be compared to it.
+    """
+    if (seconds is None) == (requests is None):
+        raise ValueError("give either seconds or requests")
+    amount = ["-D", str(max(1, round(seconds)))] if seconds is not None else ["-n", str(requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "requests.tsv"
+        argv = [
+            h2load_path(), "-c", str(clients), "-m", str(streams),
+            "-t", str(min(threads, clients)), *amount, "-d", str(body), "--log-file", str(log),
+            *(arg for k, v in headers.items() for arg in ("-H", f"{k}: {v}")), url,
+        ]  # fmt: skip
+        text, code, cpu_s, wall_s = _run(argv, Path(tmp) / "h2load.out")
+        # One row per request: start (µs since the epoch), HTTP status, µs until the response ended.
+        rows = np.loadtxt(log, dtype=np.int64, ndmin=2) if log.exists() else np.empty((0, 3))
+    finished, counts = _H2_FINISHED.search(text), _H2_REQUESTS.search(text)
+    if code != 0 or finished is None or counts is None or not len(rows):
+        raise RuntimeError(f"h2load failed ({code}): {' '.join(argv)}\n{text}")
+    done, succeeded, timeout = (int(v) for v in counts.groups())
+    p50, p90, p99 = np.percentile(rows[:, 2], [50, 90, 99]) / 1000
+    return LoadResult(
+        rps=float(finished.group(1)),
+        p50_ms=float(p50),
+        p90_ms=float(p90),
+        p99_ms=float(p99),
+        requests=done,
+        errors=done - succeeded + timeout,
+        client_cpu=cpu_s / wall_s,
     )
 
 
 @dataclass(frozen=True)
 class Run:
-    """One measured run: wrk's figures and what the server did meanwhile."""
+    """One measured run: the load generator's figures and what the server did meanwhile."""
 
     load: LoadResult
     server_cpu: float

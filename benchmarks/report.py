@@ -24,7 +24,7 @@ def _row(label: str, conns: int, runs: Sequence[Run]) -> str:
         f"{label:<38}{conns:>6}{median([r.rps for r in loads]):>9.0f}"
         f"{median([r.p50_ms for r in loads]):>9.2f}{median([r.p90_ms for r in loads]):>9.2f}"
         f"{median([r.p99_ms for r in loads]):>9.2f}{sum(r.errors for r in loads):>7}"
-        f"{median([r.server_cpu for r in runs]):>8.2f}{median([r.wrk_cpu for r in loads]):>8.2f}"
+        f"{median([r.server_cpu for r in runs]):>8.2f}{median([r.client_cpu for r in loads]):>8.2f}"
         + (f"{median(batches):>7.1f}" if batches else f"{'-':>7}")
     )
 
@@ -51,7 +51,7 @@ def table(scenario: Scenario, summary: Summary) -> str:
     labels = {c.key: c.label for c in scenario.contenders}
     headroom = ", ".join(
         f"{labels[k]} {median([r.rps for r in v]):.0f} req/s (wrk CPU "
-        f"{median([r.wrk_cpu for r in v]):.2f})"
+        f"{median([r.client_cpu for r in v]):.2f})"
         for k, v in scenario.trivial.items()
     )
     lines.append(f"trivial GET, 32 connections (wrk headroom): {headroom}")

@@ -40,7 +40,9 @@ class ServerProcess:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_url: str | None = None
-        """scriptserve's Prometheus endpoint, where batch sizes are read."""
+        """scriptserve's Prometheus endpoint, where batch sizes and request counts are read."""
+        self.grpc_address: str | None = None
+        """scriptserve's gRPC inference address (host:port)."""
 
     def __enter__(self) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
@@ -81,19 +83,36 @@ class ServerProcess:
             total += times.user + times.system
         return total
 
+    def _metrics(self) -> str:
+        assert self.metrics_url is not None
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
+            return str(answer.read().decode())
+
     def batch_counts(self) -> tuple[float, float]:
         """(requests, batches) run so far, from scriptserve's batch-size histogram; else zeros."""
         if self.metrics_url is None:
             return 0.0, 0.0
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
-            text = answer.read().decode()
         figures = {"sum": 0.0, "count": 0.0}
-        for line in text.splitlines():
+        for line in self._metrics().splitlines():
             name, _, value = line.partition(" ")
             for kind in figures:
                 if name.startswith(f"scriptserve_batch_size_{kind}{{"):
                     figures[kind] += float(value)
         return figures["sum"], figures["count"]
+
+    def request_counts(self) -> dict[tuple[str, str], int]:
+        """(protocol, status) -> inference requests answered so far, over all models (scriptserve's
+        `scriptserve_requests_total`); empty for a server without metrics."""
+        if self.metrics_url is None:
+            return {}
+        counts: dict[tuple[str, str], int] = {}
+        for line in self._metrics().splitlines():
+            if line.startswith("scriptserve_requests_total{"):
+                labels, _, value = line.partition("} ")
+                pairs = dict(kv.split("=", 1) for kv in labels.split("{", 1)[1].split(","))
+                key = (pairs["protocol"].strip('"'), pairs["status"].strip('"'))
+                counts[key] = counts.get(key, 0) + round(float(value))
+        return counts
 
     def output(self) -> str:
         self._log.seek(0)
@@ -133,6 +152,7 @@ def scriptserve(
     ]  # fmt: skip
     server = ServerProcess(label, argv, port, f"/v2/models/{model}/ready", {})
     server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+    server.grpc_address = f"127.0.0.1:{grpc}"
     return server
 
 

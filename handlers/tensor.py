@@ -81,6 +81,8 @@ class TensorHandler(BaseHandler):
 
     def _bind_names(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Without a recorded signature, generic names map to the model's inputs in order."""
+        if self.signature.inputs:
+            return arrays  # arrays_from_json already named them by the signature
         names = self.model.input_names
         if set(arrays) != set(names) and len(arrays) == len(names):
             return dict(zip(names, arrays.values(), strict=True))
