@@ -323,12 +323,19 @@ def test_server_is_ready_only_once_every_startup_model_is(tmp_path: Path) -> Non
             deadline = time.monotonic() + 30
             serving = health_pb2.HealthCheckResponse.SERVING
             assert health_status(proc.grpc_mgmt, "") == serving
-            while not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=5).ready:
-                assert health_status(proc.grpc, "") != serving
-                assert health_status(proc.grpc, OIP_SERVICE) != serving
+            # Health is read before readiness: once health says SERVING, the readiness read
+            # after it must be true (the reverse order races with the server turning ready).
+            saw_not_ready = False
+            while True:
+                health = health_status(proc.grpc, ""), health_status(proc.grpc, OIP_SERVICE)
+                ready = stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=5).ready
+                if health == (serving, serving):
+                    assert ready
+                    break
+                saw_not_ready |= not ready
                 assert time.monotonic() < deadline, proc.output()
                 time.sleep(0.01)
-            assert health_status(proc.grpc, "") == serving
+            assert saw_not_ready, "the server was ready before its startup models were loaded"
             for name in ("big", "tiny"):
                 request = service_pb2.ModelReadyRequest(name=name)
                 assert stub.ModelReady(request, timeout=5).ready, name
