@@ -126,7 +126,7 @@ def name_torchscript_outputs(result: Any) -> dict[str, Any]:
     )
 
 
-def _interpreter_message(exc: BaseException) -> str:
+def interpreter_message(exc: BaseException) -> str:
     """The error itself, without the TorchScript interpreter's traceback of the scripted code."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     for line in reversed(lines):
@@ -167,7 +167,7 @@ def _probe_torchscript(path: Path, sample: Mapping[str, np.ndarray] | None) -> S
         raise
     except Exception as exc:
         raise ModelFileError(
-            f"the TorchScript model failed on the sample input: {_interpreter_message(exc)}"
+            f"the TorchScript model failed on the sample input: {interpreter_message(exc)}"
         ) from None
     inputs = tuple(
         TensorSpec(name, datatype_of(sample[name].dtype), (-1, *sample[name].shape[1:]))

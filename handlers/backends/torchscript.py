@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from archiver.model_file import ModelFileError, name_torchscript_outputs
+from archiver.model_file import ModelFileError, interpreter_message, name_torchscript_outputs
 from handlers.backends import BackendError, parse_device
 
 _threads_lock = threading.Lock()
@@ -31,15 +31,6 @@ def configure_threads(intra_op_threads: int) -> None:
         # Only settable before the first inter-op work; after that it is already fixed.
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-
-
-def interpreter_message(exc: BaseException) -> str:
-    """The error itself, without the TorchScript interpreter's serialized-code traceback."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if line.startswith("RuntimeError:"):
-            return line.removeprefix("RuntimeError:").strip()
-    return lines[-1] if lines else type(exc).__name__
 
 
 class TorchScriptBackend:
