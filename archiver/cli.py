@@ -9,6 +9,7 @@ import argparse
 import glob
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,11 +33,21 @@ from archiver.manifest import (
     Manifest,
     ManifestError,
     ModelInfo,
+    Quantization,
     ScriptserveInfo,
     check_model_name,
     format_for_file,
 )
 from archiver.model_file import ModelFileError, probe_model
+from archiver.quantize import (
+    MODES,
+    QuantizationError,
+    QuantizeOptions,
+    Tolerance,
+    ValidationSamples,
+    is_torchscript_file,
+    quantize_model_file,
+)
 from archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
 
 # Built-in handler names: ours, and TorchServe's (served by the TorchServe compatibility layer).
@@ -55,6 +66,7 @@ USER_ERRORS = (
     ModelFileError,
     SignatureError,
     UnsafeArchiveError,
+    QuantizationError,
     OSError,
 )
 
@@ -111,6 +123,52 @@ def add_create_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--input-dtype", default="FP32", help="OIP datatype of TorchScript inputs (default FP32)"
     )
+    add_quantize_arguments(parser)
+
+
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """--quantize, its options and the accuracy guard's tolerances (docs/quantization.md)."""
+    group = parser.add_argument_group("quantization")
+    group.add_argument(
+        "--quantize",
+        default="none",
+        choices=MODES,
+        help="store the model converted to dynamic int8 (needs a sample input or validation file)",
+    )
+    group.add_argument(
+        "--validation-file",
+        type=Path,
+        help=".npz of validation samples (one array per input, labels, output.<name>); "
+        "stored in the archive and used by the accuracy guard",
+    )
+    group.add_argument(
+        "--weight-type", default="qint8", choices=["qint8", "quint8"], help="ONNX weight type"
+    )
+    group.add_argument("--per-channel", action="store_true", help="per-channel weight scales")
+    group.add_argument(
+        "--reduce-range", action="store_true", help="ONNX: 7-bit weights, for CPUs without VNNI"
+    )
+    group.add_argument("--model-class", help="nn.Module class in --model-file (eager source)")
+    defaults = Tolerance()
+    group.add_argument(
+        "--min-top1-agreement",
+        type=float,
+        default=defaults.min_top1_agreement,
+        help="guard: least share of validation samples whose int8 top-1 class is fp32's "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--max-abs-diff",
+        type=float,
+        default=None,
+        help="guard: largest |int8 - fp32| output value (default: not checked)",
+    )
+    group.add_argument(
+        "--max-accuracy-drop",
+        type=float,
+        default=defaults.max_accuracy_drop,
+        help="guard, with labels: largest fp32 - int8 top-1 accuracy (default %(default)s)",
+    )
 
 
 def _extra_files(spec: str) -> list[Path]:
@@ -151,16 +209,71 @@ def _load_sample(args: argparse.Namespace, fmt: Any) -> dict[str, np.ndarray] | 
     return None
 
 
+def _quantize(
+    args: argparse.Namespace,
+    fmt: Any,
+    sample: dict[str, np.ndarray] | None,
+    validation: ValidationSamples | None,
+    workdir: Path,
+) -> tuple[Path, Quantization]:
+    """Convert --serialized-file to dynamic int8 in `workdir`; print what it measured."""
+    src: Path = args.serialized_file
+    if sample is None:
+        raise QuantizationError(
+            "--quantize needs --sample-input, --input-shape or --validation-file to measure the "
+            "int8 model against fp32"
+        )
+    eager = fmt == "torchscript" and args.model_file is not None and not is_torchscript_file(src)
+    options = QuantizeOptions(
+        weight_type=args.weight_type,
+        per_channel=args.per_channel,
+        reduce_range=args.reduce_range,
+        model_file=args.model_file if eager else None,
+        model_class=args.model_class,
+    )
+    tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
+    dst = workdir / f"{src.stem}.int8{'.onnx' if fmt == 'onnx' else '.pt'}"
+    report = quantize_model_file(src, dst, fmt, sample, options, validation, tolerance)
+    print(report.summary(), file=sys.stderr)
+    return dst, report.manifest_entry("archive")
+
+
 def create_archive(args: argparse.Namespace) -> Path:
     """Check the model loads (and runs its sample), record its signature, write the archive."""
+    with tempfile.TemporaryDirectory(prefix="scriptserve-archive-") as workdir:
+        return _create_archive(args, Path(workdir))
+
+
+def _create_archive(args: argparse.Namespace, workdir: Path) -> Path:
     name = check_model_name(args.model_name)
     if not args.serialized_file.is_file():
         raise ArchiveError(f"--serialized-file not found: {args.serialized_file}")
     fmt = format_for_file(args.serialized_file.name)
-    sample = _load_sample(args, fmt)
-    signature = probe_model(args.serialized_file, fmt, sample)
+    quantize = getattr(args, "quantize", "none") != "none"
+    validation_file: Path | None = getattr(args, "validation_file", None)
+    validation = ValidationSamples.load(validation_file) if validation_file else None
+    eager_source = (
+        quantize
+        and fmt == "torchscript"
+        and args.model_file is not None
+        and not is_torchscript_file(args.serialized_file)
+    )
+    sample = None if eager_source else _load_sample(args, fmt)
+    if sample is None and validation is not None:
+        sample = {k: v[:1] for k, v in validation.inputs.items()}
+    model = args.serialized_file
+    quantization = Quantization()
+    if quantize:
+        if eager_source and (args.sample_input is not None or args.input_shape):
+            sample = _load_sample(args, fmt)
+        elif not eager_source:
+            probe_model(model, fmt, sample)  # the fp32 model must load and run first
+        model, quantization = _quantize(args, fmt, sample, validation, workdir)
+    signature = probe_model(model, fmt, sample)
 
-    files: dict[str, Path] = {args.serialized_file.name: args.serialized_file}
+    files: dict[str, Path] = {model.name: model}
+    if validation_file is not None:
+        files[validation_file.name] = validation_file
     handler = args.handler
     if handler not in BUILTIN_HANDLERS:
         handler_path = Path(handler.partition(":")[0])
@@ -203,7 +316,7 @@ def create_archive(args: argparse.Namespace) -> Path:
             model_name=name,
             model_version=args.version,
             handler=handler,
-            serialized_file=args.serialized_file.name,
+            serialized_file=model.name,
             model_file=args.model_file.name if args.model_file else None,
             requirements_file=args.requirements_file.name if args.requirements_file else None,
             config_file=args.config_file.name if args.config_file else None,
@@ -213,7 +326,9 @@ def create_archive(args: argparse.Namespace) -> Path:
             model_format=fmt,
             files={},
             signature=signature,
+            quantization=quantization,
             sample_input=args.sample_input.name if args.sample_input else None,
+            validation_samples=validation_file.name if validation_file else None,
         ),
     )
     fmt_enum = ArchiveFormat(args.archive_format)

@@ -65,20 +65,49 @@ def format_for_file(filename: str) -> ModelFormat:
 
 @dataclass(frozen=True)
 class Quantization:
-    """How the serialized model was quantized; `mode` is "none" for a float model."""
+    """How the serialized model was quantized; `mode` is "none" for a float model.
+
+    For `dynamic-int8` (archiver/quantize.py): the SHA-256 of the fp32 model it came from, and
+    fp32/int8 ratios of file size and latency plus the largest output difference, measured on
+    the sample input. `details` holds the rest (ops converted, engine, options, validation).
+    """
 
     mode: str = "none"
     details: dict[str, Any] = field(default_factory=dict)
+    source_sha256: str | None = None
+    size_ratio: float | None = None
+    latency_ratio: float | None = None
+    max_abs_diff: float | None = None
+
+    _KEYS = {
+        "sourceSha256": "source_sha256",
+        "sizeRatio": "size_ratio",
+        "latencyRatio": "latency_ratio",
+        "maxAbsDiff": "max_abs_diff",
+    }
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "none"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, **self.details}
+        measured = {k: getattr(self, a) for k, a in self._KEYS.items()}
+        return {"mode": self.mode, **{k: v for k, v in measured.items() if v is not None},
+                **self.details}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Quantization:
         if not data:
             return cls()
-        rest = {k: v for k, v in data.items() if k != "mode"}
-        return cls(str(data.get("mode", "none")), rest)
+        rest = {k: v for k, v in data.items() if k != "mode" and k not in cls._KEYS}
+        sha = data.get("sourceSha256")
+        numbers: dict[str, float | None] = {}
+        for key in ("sizeRatio", "latencyRatio", "maxAbsDiff"):
+            value = data.get(key)
+            if value is not None and not isinstance(value, (int, float)):
+                raise ManifestError(f"manifest scriptserve.quantization.{key} must be a number")
+            numbers[cls._KEYS[key]] = float(value) if value is not None else None
+        return cls(str(data.get("mode", "none")), rest, str(sha) if sha else None, **numbers)
 
 
 @dataclass(frozen=True)
@@ -133,6 +162,11 @@ class ScriptserveInfo:
     signature: Signature = field(default_factory=Signature)
     quantization: Quantization = field(default_factory=Quantization)
     sample_input: str | None = None
+    # Labelled inputs to check accuracy with, e.g. after int8: an .npz of one array per input
+    # name plus "labels" (read with np.load(..., allow_pickle=False)).
+    validation_samples: str | None = None
+    # Measured figures, e.g. {"testAccuracy": 0.98, "testSamples": 270} (made by training/).
+    metrics: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -144,6 +178,10 @@ class ScriptserveInfo:
         }
         if self.sample_input:
             data["sampleInput"] = self.sample_input
+        if self.validation_samples:
+            data["validationSamples"] = self.validation_samples
+        if self.metrics:
+            data["metrics"] = dict(self.metrics)
         return data
 
     @classmethod
@@ -166,6 +204,8 @@ class ScriptserveInfo:
             signature=signature,
             quantization=Quantization.from_dict(data.get("quantization")),
             sample_input=data.get("sampleInput") or None,
+            validation_samples=data.get("validationSamples") or None,
+            metrics=dict(data["metrics"]) if isinstance(data.get("metrics"), dict) else {},
         )
 
 

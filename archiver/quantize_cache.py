@@ -1,0 +1,207 @@
+"""Dynamic int8 at load time: an archive's model converted once and cached on disk.
+
+`quantize: dynamic-int8` in a model config (or a registration's `quantize` parameter) asks for
+it; `quantize_for_load` returns the int8 file to serve and the manifest recording it. Entries
+are keyed by the source model's SHA-256 and the options, so a restart reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from archiver.accuracy import QuantizationError, Tolerance, ValidationSamples, check_tolerance
+from archiver.manifest import Manifest, ModelFormat
+from archiver.quantize import MODES, QuantizationReport, QuantizeOptions, convert, sha256_of
+
+log = logging.getLogger("scriptserve.quantize")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """`quantize: dynamic-int8` from a model config or a registration, with its tolerances."""
+
+    options: QuantizeOptions = field(default_factory=QuantizeOptions)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+
+
+_CONFIG_KEYS = {
+    "quantizeMinTop1Agreement": "min_top1_agreement",
+    "quantizeMaxAbsDiff": "max_abs_diff",
+    "quantizeMaxAccuracyDrop": "max_accuracy_drop",
+}
+
+
+def load_request(
+    config: Mapping[str, Any], requested: str | None = None, threads: int = 1
+) -> LoadRequest | None:
+    """What the model config (`quantize`, `quantize*` keys) and a registration's `quantize`
+    parameter (which wins) ask for; None for fp32. `threads`: the server's per-worker count."""
+    mode = requested if requested else config.get("quantize", "none")
+    mode = "none" if mode in (None, False) else str(mode)
+    if mode not in MODES:
+        raise QuantizationError(
+            f"quantize {mode!r} is not supported; use one of {', '.join(MODES)}"
+        )
+    if mode == "none":
+        return None
+    try:
+        tolerance = Tolerance(
+            **{v: float(config[k]) for k, v in _CONFIG_KEYS.items() if config.get(k) is not None}
+        )
+        options = QuantizeOptions(
+            weight_type=str(config.get("quantizeWeightType", "qint8")),
+            per_channel=bool(config.get("quantizePerChannel", False)),
+            reduce_range=bool(config.get("quantizeReduceRange", False)),
+            threads=threads,
+        )
+    except (TypeError, ValueError) as exc:
+        raise QuantizationError(f"invalid quantize setting in the model config: {exc}") from None
+    return LoadRequest(options, tolerance)
+
+
+def archive_samples(
+    root: Path, manifest: Manifest
+) -> tuple[dict[str, np.ndarray] | None, ValidationSamples | None]:
+    """The archive's sample input and validation samples, where it has them."""
+    from archiver.signature import SignatureError, arrays_from_json
+
+    info = manifest.scriptserve
+    validation = None
+    if info is not None and info.validation_samples:
+        validation = ValidationSamples.load(root / info.validation_samples)
+    sample = None
+    if info is not None and info.sample_input:
+        try:
+            data = json.loads((root / info.sample_input).read_text())
+            sample = arrays_from_json(data, manifest.signature)
+        except (OSError, json.JSONDecodeError, SignatureError) as exc:
+            raise QuantizationError(f"the archive's sample input does not load: {exc}") from None
+    if sample is None and validation is not None:
+        sample = {k: v[:1] for k, v in validation.inputs.items()}
+    if sample is None:
+        sample = _signature_sample(manifest)
+    return sample, validation
+
+
+def _signature_sample(manifest: Manifest) -> dict[str, np.ndarray] | None:
+    """One seeded random row per input, when the recorded signature fixes every other dim."""
+    from archiver.signature import numpy_dtype
+
+    inputs = manifest.signature.inputs
+    if not inputs or any(d < 0 for t in inputs for d in t.shape[1:]):
+        return None
+    rng = np.random.default_rng(0)
+    return {
+        t.name: rng.standard_normal((1, *t.shape[1:])).astype(numpy_dtype(t.datatype))
+        for t in inputs
+    }
+
+
+_cache_locks: dict[str, threading.Lock] = {}
+_cache_guard = threading.Lock()
+
+
+def quantize_cached(
+    src: Path,
+    fmt: ModelFormat,
+    cache_dir: Path,
+    sample_inputs: Mapping[str, np.ndarray],
+    request: LoadRequest,
+    validation: ValidationSamples | None = None,
+    validation_sha256: str = "",
+) -> tuple[Path, QuantizationReport]:
+    """The int8 file for `src` from `cache_dir`, converting (and caching) it on first use.
+
+    Cache entries are `<sha256 of src>-<options digest>.{pt,onnx,json}`; a restart reuses them.
+    The accuracy guard is applied to the (cached or fresh) validation result."""
+    import onnxruntime
+    import torch
+
+    source_sha = sha256_of(src)
+    key_data = {**request.options.key(), "validation": validation_sha256,
+                "torch": torch.__version__, "onnxruntime": onnxruntime.__version__}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:12]
+    key = f"{source_sha}-{digest}"
+    model_path = cache_dir / f"{key}{'.onnx' if fmt == 'onnx' else '.pt'}"
+    report_path = cache_dir / f"{key}.json"
+    with _cache_guard:
+        lock = _cache_locks.setdefault(key, threading.Lock())
+    with lock:
+        report = _cached_report(model_path, report_path)
+        if report is None:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=model_path.suffix, dir=cache_dir)
+            os.close(fd)
+            tmp = Path(tmp_name)
+            try:
+                report = convert(src, tmp, fmt, sample_inputs, request.options, validation)
+                os.replace(tmp, model_path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            report_tmp = report_path.with_suffix(".json.tmp")
+            report_tmp.write_text(json.dumps(report.to_dict(), indent=2))
+            os.replace(report_tmp, report_path)
+            log.info("converted %s to dynamic int8, cached as %s", src.name, model_path.name)
+        else:
+            log.info("dynamic int8 of %s loaded from the cache (%s)", src.name, model_path.name)
+    if report.validation is not None:
+        check_tolerance(report.validation, request.tolerance)
+    return model_path, report
+
+
+def _cached_report(model_path: Path, report_path: Path) -> QuantizationReport | None:
+    if not (model_path.is_file() and report_path.is_file()):
+        return None
+    try:
+        report = QuantizationReport.from_dict(json.loads(report_path.read_text()))
+    except (ValueError, TypeError) as exc:
+        log.warning("ignoring the unreadable cache entry %s: %s", report_path.name, exc)
+        return None
+    if report.int8_sha256 != sha256_of(model_path):
+        log.warning("ignoring the cache entry %s: its model file changed", model_path.name)
+        return None
+    return replace(report, cached=True)
+
+
+def quantize_for_load(
+    root: Path, manifest: Manifest, cache_dir: Path, request: LoadRequest
+) -> tuple[Path, Manifest]:
+    """The model file to serve and the manifest recording its quantization.
+
+    An archive that is already int8 is served as it is."""
+    if manifest.scriptserve is not None and manifest.scriptserve.quantization.mode != "none":
+        return root / (manifest.model.serialized_file or ""), manifest
+    if not manifest.model.serialized_file:
+        raise QuantizationError("the archive names no serialized model file to quantize")
+    src = root / manifest.model.serialized_file
+    sample, validation = archive_samples(root, manifest)
+    if sample is None:
+        raise QuantizationError(
+            "quantizing at load needs the archive's sample input, validation samples or a "
+            "signature with fixed shapes; rebuild it with --sample-input or --validation-file"
+        )
+    info = manifest.scriptserve
+    validation_sha = (
+        sha256_of(root / info.validation_samples)
+        if info is not None and info.validation_samples
+        else ""
+    )
+    path, report = quantize_cached(
+        src, manifest.model_format, cache_dir, sample, request, validation, validation_sha
+    )
+    entry = report.manifest_entry("load")
+    entry = replace(entry, details={**entry.details, "cached": report.cached})
+    if info is not None:
+        manifest = manifest.with_scriptserve(replace(info, quantization=entry))
+    return path, manifest
