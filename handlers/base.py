@@ -79,6 +79,8 @@ class InferenceResponse:
     content_type: str | None = None
     error: str | None = None
     status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    """Extra response headers (TorchServe handlers set them through their context)."""
 
     @classmethod
     def failed(cls, message: str, status: int = 400) -> InferenceResponse:
@@ -97,6 +99,8 @@ class Context:
     device: str = "cpu"
     batch_size: int = 1
     intra_op_threads: int = 1
+    model_file: Path | None = None
+    """The model file to load instead of the archive's own: its int8 conversion made at load."""
 
     @property
     def signature(self) -> Signature:
@@ -104,6 +108,8 @@ class Context:
 
     @property
     def serialized_file(self) -> Path:
+        if self.model_file is not None:
+            return self.model_file
         name = self.manifest.model.serialized_file
         if not name:
             raise HandlerError("the archive names no serialized model file")

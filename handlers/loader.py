@@ -18,10 +18,13 @@ from typing import Any
 import yaml
 
 from archiver.manifest import Manifest
+from handlers import torchserve
 from handlers.base import BaseHandler, Context, HandlerError
+from handlers.torchserve import entry as torchserve_entry
 
 BUILTIN_HANDLERS: dict[str, str] = {
     "tensor": "handlers.tensor:TensorHandler",
+    "image_classifier": "handlers.image_classifier:ImageClassifierHandler",
 }
 
 
@@ -72,7 +75,9 @@ def _import_file(path: Path, model_dir: Path) -> Any:
     before = set(sys.modules)
     sys.path.insert(0, str(model_dir))
     try:
-        spec.loader.exec_module(module)
+        # TorchServe handlers import `ts`; the compatibility layer provides it while they load.
+        with torchserve.torchserve_scope():
+            spec.loader.exec_module(module)
     except Exception as exc:
         raise HandlerError(f"handler file {path.name!r} failed to import: {exc!r}") from None
     finally:
@@ -82,8 +87,19 @@ def _import_file(path: Path, model_dir: Path) -> Any:
     return module
 
 
-def handler_class(handler: str, model_dir: Path) -> type[BaseHandler]:
-    """Resolve the manifest's handler entry to a BaseHandler subclass."""
+def handler_class(
+    handler: str, model_dir: Path, manifest: Manifest | None = None
+) -> type[BaseHandler]:
+    """Resolve the manifest's handler entry to a BaseHandler subclass.
+
+    TorchServe handlers (its built-in names in archives made by torch-model-archiver, a
+    `handle(data, context)` function, a class with `handle`) come wrapped in a TorchServeHandler.
+    """
+    ts_builtin = torchserve_entry.builtin_handler(handler)
+    if ts_builtin is not None and (
+        handler not in BUILTIN_HANDLERS or torchserve_entry.made_by_torchserve(manifest)
+    ):
+        return ts_builtin
     if handler in BUILTIN_HANDLERS:
         module_name, _, attr = BUILTIN_HANDLERS[handler].partition(":")
         cls: type[BaseHandler] = getattr(importlib.import_module(module_name), attr)
@@ -101,6 +117,9 @@ def handler_class(handler: str, model_dir: Path) -> type[BaseHandler]:
     if attr:
         found = getattr(module, attr, None)
         if not (inspect.isclass(found) and issubclass(found, BaseHandler)):
+            wrapped = torchserve_entry.handler_for(module, filename, attr)
+            if wrapped is not None:
+                return wrapped
             raise HandlerError(f"{filename} has no BaseHandler subclass named {attr!r}")
         return found
     classes = [
@@ -108,6 +127,10 @@ def handler_class(handler: str, model_dir: Path) -> type[BaseHandler]:
         for _, c in inspect.getmembers(module, inspect.isclass)
         if issubclass(c, BaseHandler) and c.__module__ == module.__name__
     ]
+    if not classes:
+        wrapped = torchserve_entry.handler_for(module, filename, None)
+        if wrapped is not None:
+            return wrapped
     if len(classes) != 1:
         raise HandlerError(
             f"{filename} defines {len(classes)} BaseHandler subclasses; define exactly one, "
@@ -118,7 +141,7 @@ def handler_class(handler: str, model_dir: Path) -> type[BaseHandler]:
 
 def load_handler(context: Context) -> BaseHandler:
     """Build the archive's handler and initialize it for `context`."""
-    cls = handler_class(context.manifest.model.handler, context.model_dir)
+    cls = handler_class(context.manifest.model.handler, context.model_dir, context.manifest)
     handler = cls()
     handler.initialize(context)
     return handler

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from archiver.model_file import ModelFileError, interpreter_message, name_torchscript_outputs
+from archiver.quantize import QuantizationError, select_engine
 from handlers.backends import BackendError, parse_device
 
 _threads_lock = threading.Lock()
@@ -43,6 +44,10 @@ class TorchScriptBackend:
         self.device = device
         self._torch_device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         configure_threads(intra_op_threads)
+        # Int8 models repack their weights for the quantized engine when loaded: the same
+        # engine as at conversion (x86 / qnnpack). A torch without one still serves fp32.
+        with contextlib.suppress(QuantizationError):
+            select_engine()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)

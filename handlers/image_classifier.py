@@ -1,0 +1,309 @@
+"""The built-in `image_classifier` handler: images or tensors in, top-k `{label: probability}` out.
+
+A request brings an image (PNG, JPEG, ... as the raw body of `/predictions`, or a multipart field,
+or OIP BYTES tensor elements) or an already preprocessed tensor (a JSON array for `/predictions`,
+a FP32 tensor over OIP). Images go through the preprocessing the archive records in
+`preprocessing.json` (or the `preprocessing` mapping of its model config)::
+
+    {"grayscale": true, "invert": false, "resize": [32, 32], "resample": "bilinear",
+     "scale": 0.00392156862745098, "mean": [0.3059], "std": [0.3241], "input": "x"}
+
+Labels come from `index_to_name.json` (`{"0": "cat", ...}`), else the class index. The answer to
+one image is `{label: probability}` for the `topk` most likely classes (model config `topk`,
+default 5, or the request parameter `topk`), most likely first; OIP responses carry the model's
+outputs (logits). All images of a batch run as one model call; an image that does not decode
+fails alone with 400.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
+from handlers.backends import BackendError
+from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest, InferenceResponse
+
+log = logging.getLogger("handlers.image_classifier")
+
+DEFAULT_TOPK = 5
+# An image larger than this is refused before it is decoded (a decompression bomb guard that does
+# not touch Pillow's process-wide MAX_IMAGE_PIXELS).
+DEFAULT_MAX_PIXELS = 25_000_000
+_RESAMPLE = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
+
+
+class BadInput(ValueError):
+    """One request's input that cannot be used; fails that request alone with 400."""
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How an image becomes the model's input tensor (C, H, W)."""
+
+    grayscale: bool = True
+    invert: bool = False
+    resize: tuple[int, int] | None = None  # (height, width)
+    resample: str = "bilinear"
+    scale: float = 1.0 / 255.0
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    input: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Preprocessing:
+        try:
+            resize = data.get("resize")
+            if isinstance(resize, int):
+                resize = [resize, resize]
+            pre = cls(
+                grayscale=bool(data.get("grayscale", True)),
+                invert=bool(data.get("invert", False)),
+                resize=(int(resize[0]), int(resize[1])) if resize else None,
+                resample=str(data.get("resample", "bilinear")).lower(),
+                scale=float(data.get("scale", 1.0 / 255.0)),
+                mean=tuple(float(m) for m in data.get("mean", [0.0])),
+                std=tuple(float(s) for s in data.get("std", [1.0])),
+                input=str(data["input"]) if data.get("input") else None,
+            )
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            raise HandlerError(f"the archive's preprocessing is invalid: {exc}") from None
+        channels = 1 if pre.grayscale else 3
+        if pre.resample not in _RESAMPLE:
+            raise HandlerError(f"preprocessing resample must be one of {', '.join(_RESAMPLE)}")
+        if len(pre.mean) not in (1, channels) or len(pre.std) not in (1, channels):
+            raise HandlerError(f"preprocessing mean and std need 1 or {channels} values")
+        if any(s == 0 for s in pre.std):
+            raise HandlerError("preprocessing std must not be 0")
+        return pre
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.grayscale else 3
+
+
+@dataclass
+class _Item:
+    index: int
+    rows: int
+    parameters: dict[str, Any]
+
+
+@dataclass
+class ImageBatch:
+    """Decoded requests, the one model input they form, and the per-request failures."""
+
+    size: int
+    items: list[_Item] = field(default_factory=list)
+    arrays: list[np.ndarray] = field(default_factory=list)
+    errors: dict[int, InferenceResponse] = field(default_factory=dict)
+    logits: np.ndarray | None = None
+    output_name: str = "output0"
+
+
+class ImageClassifierHandler(BaseHandler):
+    thread_safe = True  # per-batch state lives in ImageBatch, never on self
+
+    def initialize(self, context: Context) -> None:
+        super().initialize(context)
+        config = context.model_config
+        pre_file = context.model_dir / "preprocessing.json"
+        if pre_file.is_file():
+            self.preprocessing = Preprocessing.from_dict(self._read_json(pre_file))
+        elif isinstance(config.get("preprocessing"), dict):
+            self.preprocessing = Preprocessing.from_dict(config["preprocessing"])
+        else:
+            self.preprocessing = Preprocessing()
+        names_file = context.model_dir / "index_to_name.json"
+        raw_names = self._read_json(names_file) if names_file.is_file() else {}
+        self.labels: dict[int, str] = {int(k): str(v) for k, v in raw_names.items()}
+        self.topk = int(config.get("topk", DEFAULT_TOPK))
+        self.max_pixels = int(config.get("max_image_pixels", DEFAULT_MAX_PIXELS))
+        signature = context.signature
+        self.input_name = (
+            self.preprocessing.input
+            or (signature.inputs[0].name if signature.inputs else None)
+            or self.model.input_names[0]
+        )
+        spec = signature.input(self.input_name)
+        shape = spec.shape[1:] if spec is not None else ()
+        if self.preprocessing.resize is None and len(shape) == 3 and min(shape) > 0:
+            self.preprocessing = Preprocessing.from_dict(
+                {**self._as_dict(self.preprocessing), "resize": [shape[1], shape[2]]}
+            )
+        self.instance_shape: tuple[int, ...] | None = shape if shape else None
+
+    @staticmethod
+    def _read_json(path: Any) -> dict[str, Any]:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise HandlerError(f"the archive's {path.name} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise HandlerError(f"the archive's {path.name} must hold a JSON object")
+        return data
+
+    @staticmethod
+    def _as_dict(pre: Preprocessing) -> dict[str, Any]:
+        return {
+            "grayscale": pre.grayscale, "invert": pre.invert, "resize": pre.resize,
+            "resample": pre.resample, "scale": pre.scale, "mean": list(pre.mean),
+            "std": list(pre.std), "input": pre.input,
+        }  # fmt: skip
+
+    # -- preprocess ---------------------------------------------------------------------------
+    def image_to_array(self, data: bytes) -> np.ndarray:
+        """One encoded image -> (1, C, H, W) float32, as the archive's preprocessing says."""
+        from PIL import Image, UnidentifiedImageError
+
+        pre = self.preprocessing
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                if width * height > self.max_pixels:
+                    raise BadInput(
+                        f"the image is {width}x{height} pixels, more than the "
+                        f"{self.max_pixels} this model accepts; send a smaller image"
+                    )
+                converted = image.convert("L" if pre.grayscale else "RGB")
+        except BadInput:
+            raise
+        except UnidentifiedImageError:
+            raise BadInput(
+                "the input is neither an image (PNG, JPEG, ...) nor a JSON tensor; "
+                "send an image file or the model's input as a JSON array"
+            ) from None
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise BadInput(f"the image does not decode ({exc}); send a valid image file") from None
+        if pre.resize is not None:
+            height_px, width_px = pre.resize
+            resample = getattr(Image.Resampling, pre.resample.upper())
+            converted = converted.resize((width_px, height_px), resample)
+        array = np.asarray(converted, dtype=np.float32)
+        if pre.invert:
+            array = 255.0 - array
+        array = array[None] if pre.grayscale else array.transpose(2, 0, 1)
+        mean = np.asarray(pre.mean, dtype=np.float32).reshape(-1, 1, 1)
+        std = np.asarray(pre.std, dtype=np.float32).reshape(-1, 1, 1)
+        out: np.ndarray = ((array * np.float32(pre.scale) - mean) / std)[None]
+        return out.astype(np.float32)
+
+    def _check_tensor(self, array: np.ndarray) -> np.ndarray:
+        got = datatype_of(array.dtype)
+        if got != "FP32":
+            raise BadInput(f"input {self.input_name!r} has datatype {got}; the model expects FP32")
+        want = self.instance_shape
+        if want is not None and (
+            array.ndim != len(want) + 1
+            or any(w not in (-1, g) for w, g in zip(want, array.shape[1:], strict=True))
+        ):
+            raise BadInput(
+                f"input {self.input_name!r} has shape {list(array.shape)}; the model expects "
+                f"[-1, {', '.join(str(d) for d in want)}] (-1 = any size), or send an image"
+            )
+        if array.shape[0] < 1:
+            raise BadInput(f"input {self.input_name!r} has no rows")
+        return np.ascontiguousarray(array)
+
+    def _decode(self, request: InferenceRequest) -> np.ndarray:
+        if request.inputs:
+            if len(request.inputs) != 1:
+                raise BadInput(f"send one input ({self.input_name!r}): an image or a tensor")
+            (array,) = request.inputs.values()
+            if array.dtype == np.object_:  # OIP BYTES: one encoded image per element
+                images = [self.image_to_array(bytes(b)) for b in array.reshape(-1)]
+                if not images:
+                    raise BadInput("the BYTES input holds no images")
+                return np.concatenate(images)
+            return self._check_tensor(array)
+        body = request.body
+        if not body:
+            raise BadInput("the request has no body; send an image (PNG, JPEG) or a JSON tensor")
+        content_type = (request.content_type or "").lower()
+        if "json" in content_type or body.lstrip()[:1] in (b"[", b"{"):
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise BadInput(f"the body is not valid JSON: {exc}") from None
+            if isinstance(data, dict) and isinstance(data.get("data"), list):
+                data = data["data"]
+            try:
+                arrays = arrays_from_json(
+                    data, self.context.signature if self.context else Signature()
+                )
+            except SignatureError as exc:
+                raise BadInput(str(exc)) from None
+            if len(arrays) != 1:
+                raise BadInput(f"send one input ({self.input_name!r})")
+            (array,) = arrays.values()
+            return self._check_tensor(array.astype(np.float32, copy=False))
+        return self.image_to_array(body)
+
+    def preprocess(self, requests: list[InferenceRequest]) -> ImageBatch:
+        batch = ImageBatch(size=len(requests))
+        for i, request in enumerate(requests):
+            try:
+                array = self._decode(request)
+            except BadInput as exc:
+                log.info("model %s request %s: %s", self._model_name(), request.request_id, exc)
+                batch.errors[i] = InferenceResponse.failed(str(exc), 400)
+                continue
+            batch.items.append(_Item(i, array.shape[0], dict(request.parameters)))
+            batch.arrays.append(array)
+        return batch
+
+    def _model_name(self) -> str:
+        return self.context.model_name if self.context else "?"
+
+    # -- inference ----------------------------------------------------------------------------
+    def inference(self, batch: ImageBatch) -> ImageBatch:
+        if not batch.arrays:
+            return batch
+        feed = batch.arrays[0] if len(batch.arrays) == 1 else np.concatenate(batch.arrays)
+        try:
+            outputs = self.model.run({self.input_name: feed})
+        except BackendError as exc:
+            for item in batch.items:
+                batch.errors[item.index] = InferenceResponse.failed(str(exc), 500)
+            batch.items = []
+            return batch
+        logits = next(iter(outputs.values()))
+        if logits.ndim != 2 or logits.shape[0] != feed.shape[0]:
+            raise HandlerError(
+                f"the model returned shape {list(logits.shape)} for {feed.shape[0]} images; "
+                "the image classifier needs (batch, classes) scores"
+            )
+        batch.output_name = next(iter(outputs))
+        batch.logits = logits
+        return batch
+
+    # -- postprocess --------------------------------------------------------------------------
+    def top_classes(self, logits: np.ndarray, k: int) -> dict[str, float]:
+        """The k most likely classes of one row of scores, by label, most likely first."""
+        shifted = logits.astype(np.float64) - logits.max()
+        probs = np.exp(shifted) / np.exp(shifted).sum()
+        order = np.argsort(-probs, kind="stable")[: max(1, k)]
+        return {self.labels.get(int(c), str(int(c))): float(probs[c]) for c in order}
+
+    def postprocess(self, outputs: ImageBatch) -> list[InferenceResponse]:
+        results: dict[int, InferenceResponse] = dict(outputs.errors)
+        start = 0
+        for item in outputs.items:
+            assert outputs.logits is not None
+            rows = outputs.logits[start : start + item.rows]
+            start += item.rows
+            try:
+                k = int(item.parameters.get("topk", self.topk))
+            except (TypeError, ValueError):
+                results[item.index] = InferenceResponse.failed("parameter topk must be an integer")
+                continue
+            answers = [self.top_classes(row, k) for row in rows]
+            body: Any = answers[0] if len(answers) == 1 else answers
+            results[item.index] = InferenceResponse(outputs={outputs.output_name: rows}, body=body)
+        return [results[i] for i in range(outputs.size)]

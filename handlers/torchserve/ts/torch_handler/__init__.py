@@ -1,0 +1,1 @@
+"""`ts.torch_handler`: TorchServe's base handler and built-in handlers."""

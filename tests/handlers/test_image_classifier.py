@@ -1,0 +1,165 @@
+"""The built-in `image_classifier` handler on a real archive: images, tensors, batching, errors.
+
+The model scores ten brightness classes: class c wins when the mean of the preprocessed image
+is closest to c / 9, so a uniform gray image of value v is class round(v / 255 * 9).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from archiver.archive import open_archive
+from handlers.base import Context, InferenceRequest, InferenceResponse
+from handlers.image_classifier import ImageClassifierHandler
+from handlers.loader import load_handler, read_model_config
+
+LABELS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+class Brightness(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=(1, 2, 3)).unsqueeze(1)
+        centers = torch.arange(10, dtype=x.dtype) / 9.0
+        return -((mean - centers) ** 2) * 400.0
+
+
+@pytest.fixture(scope="module")
+def handler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ImageClassifierHandler]:
+    yield from _served(tmp_path_factory.mktemp("imgcls"))
+
+
+def _served(root: Path) -> Iterator[ImageClassifierHandler]:
+    from archiver.cli import model_archiver_main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(Brightness())
+        torch.jit.save(scripted, str(root / "brightness.pt"))
+    (root / "sample.json").write_text(json.dumps(np.zeros((1, 8, 8)).tolist()))
+    (root / "index_to_name.json").write_text(json.dumps(dict(enumerate(LABELS))))
+    (root / "preprocessing.json").write_text(
+        json.dumps(
+            {"grayscale": True, "resize": [8, 8], "scale": 1 / 255, "mean": [0.0], "std": [1.0]}
+        )
+    )
+    (root / "config.yaml").write_text("topk: 3\n")
+    argv = [
+        "--model-name", "brightness", "--version", "1.0",
+        "--serialized-file", str(root / "brightness.pt"), "--handler", "image_classifier",
+        "--sample-input", str(root / "sample.json"), "--config-file", str(root / "config.yaml"),
+        "--extra-files", f"{root / 'index_to_name.json'},{root / 'preprocessing.json'}",
+        "--export-path", str(root / "store"),
+    ]  # fmt: skip
+    assert model_archiver_main(argv) == 0
+    with open_archive(root / "store" / "brightness.mar") as reader:
+        manifest = reader.manifest
+        context = Context("brightness", "1.0", reader.root, manifest,
+                          read_model_config(reader.root, manifest))  # fmt: skip
+        handler = load_handler(context)
+        assert isinstance(handler, ImageClassifierHandler)
+        yield handler
+
+
+def image_bytes(value: int, fmt: str = "PNG", size: int = 8, mode: str = "L") -> bytes:
+    color: int | tuple[int, int, int] = value if mode == "L" else (value, value, value)
+    buf = io.BytesIO()
+    Image.new(mode, (size, size), color).save(buf, format=fmt, quality=95)
+    return buf.getvalue()
+
+
+def run(handler: ImageClassifierHandler, *requests: InferenceRequest) -> list[InferenceResponse]:
+    assert handler.context is not None
+    return handler.handle(list(requests), handler.context)
+
+
+def test_png_answers_topk_labels_most_likely_first(handler: ImageClassifierHandler) -> None:
+    (response,) = run(handler, InferenceRequest(body=image_bytes(255), content_type="image/png"))
+    assert response.status == 200
+    assert list(response.body) == ["nine", "eight", "seven"]  # topk 3 from the model config
+    assert response.body["nine"] > 0.5
+    assert abs(sum(response.body.values()) - 1.0) < 0.2
+    assert response.outputs["output0"].shape == (1, 10)
+
+
+@pytest.mark.parametrize(
+    ("value", "fmt", "mode", "size", "label"),
+    [
+        (0, "PNG", "L", 8, "zero"),
+        (142, "JPEG", "L", 8, "five"),
+        (57, "PNG", "RGB", 8, "two"),  # converted to grayscale
+        (199, "JPEG", "RGB", 64, "seven"),  # resized to 8x8 first
+    ],
+)
+def test_formats_modes_and_sizes(
+    handler: ImageClassifierHandler, value: int, fmt: str, mode: str, size: int, label: str
+) -> None:
+    (response,) = run(handler, InferenceRequest(body=image_bytes(value, fmt, size, mode)))
+    assert next(iter(response.body)) == label
+
+
+def test_batch_with_a_bad_image_fails_only_that_request(handler: ImageClassifierHandler) -> None:
+    responses = run(
+        handler,
+        InferenceRequest(body=image_bytes(28)),
+        InferenceRequest(body=b"\x89PNG\r\n\x1a\n truncated", content_type="image/png"),
+        InferenceRequest(
+            body=image_bytes(228),
+            fields={"data": image_bytes(228)},
+            content_type="multipart/form-data; boundary=x",
+        ),
+        InferenceRequest(body=b""),
+    )
+    assert [r.status for r in responses] == [200, 400, 200, 400]
+    assert next(iter(responses[0].body)) == "one"
+    assert next(iter(responses[2].body)) == "eight"
+    assert "image" in responses[1].error
+    assert "no body" in responses[3].error
+
+
+def test_tensor_input_as_json_and_oip(handler: ImageClassifierHandler) -> None:
+    four = np.full((1, 8, 8), 4 / 9, np.float32)
+    as_json = InferenceRequest(body=json.dumps(four.tolist()).encode(),
+                               content_type="application/json")  # fmt: skip
+    batch = np.stack([np.full((1, 8, 8), c / 9, np.float32) for c in (3, 6)])
+    as_oip = InferenceRequest(inputs={"x": batch})
+    images_oip = InferenceRequest(
+        inputs={"x": np.array([image_bytes(255), image_bytes(0)], dtype=object)}
+    )
+    wrong_shape = InferenceRequest(inputs={"x": np.zeros((2, 3, 8, 8), np.float32)})
+    wrong_type = InferenceRequest(inputs={"x": np.zeros((2, 1, 8, 8), np.int32)})
+    r_json, r_oip, r_images, r_shape, r_type = run(
+        handler, as_json, as_oip, images_oip, wrong_shape, wrong_type
+    )
+    assert next(iter(r_json.body)) == "four"
+    assert [next(iter(b)) for b in r_oip.body] == ["three", "six"]
+    assert r_oip.outputs["output0"].argmax(1).tolist() == [3, 6]
+    assert [next(iter(b)) for b in r_images.body] == ["nine", "zero"]
+    assert r_shape.status == 400 and "shape [2, 3, 8, 8]" in r_shape.error
+    assert r_type.status == 400 and "datatype INT32" in r_type.error
+
+
+def test_topk_request_parameter(handler: ImageClassifierHandler) -> None:
+    ok, bad = run(
+        handler,
+        InferenceRequest(body=image_bytes(255), parameters={"topk": 1}),
+        InferenceRequest(body=image_bytes(255), parameters={"topk": "many"}),
+    )
+    assert list(ok.body) == ["nine"]
+    assert bad.status == 400 and "topk" in bad.error
+
+
+def test_oversized_image_is_refused_before_decoding(handler: ImageClassifierHandler) -> None:
+    buf = io.BytesIO()
+    Image.new("L", (6000, 6000), 0).save(buf, format="PNG")  # 36 Mpx, compresses to ~40 KB
+    (response,) = run(handler, InferenceRequest(body=buf.getvalue()))
+    assert response.status == 400 and "6000x6000" in response.error
