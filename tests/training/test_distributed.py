@@ -1,0 +1,63 @@
+"""`torchrun`: two gloo ranks train in lockstep; an elastic restart resumes from the checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from serving import free_port
+
+from archiver.archive import verify_archive
+from training.checkpoint import load_checkpoint
+
+QUICK = ["--epochs", "2", "--train-limit", "300", "--no-progress"]
+
+
+def torchrun(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def test_two_ranks_end_with_identical_weights(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--standalone", "--nproc_per_node=2", "-m", "training", *QUICK,
+        "--formats", "torchscript", "--out", str(tmp_path / "store"),
+        "--digest-dir", str(tmp_path / "digests"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank0 = (tmp_path / "digests" / "rank0.sha256").read_text()
+    rank1 = (tmp_path / "digests" / "rank1.sha256").read_text()
+    assert len(rank0.strip()) == 64 and rank0 == rank1
+    assert "[rank 1]: epoch 2/2" in proc.stderr  # both ranks trained
+    # Only rank 0 wrote: one archive, and it verifies.
+    assert [p.name for p in (tmp_path / "store").glob("*.mar")] == ["digits.mar"]
+    assert verify_archive(tmp_path / "store" / "digits.mar").ok
+
+
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    def run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return torchrun(
+            "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-conf=last_call_timeout=1",
+            "-m", "training", *QUICK, "--formats", "", "--out", str(out), *extra,
+        )  # fmt: skip
+
+    failed_once = run(tmp_path / "restarted", "--fail-once-at-epoch", "1")
+    assert failed_once.returncode == 0, failed_once.stderr[-4000:]
+    assert "simulated failure after epoch 1" in failed_once.stderr
+    assert "resumed from" in failed_once.stderr and "after epoch 1" in failed_once.stderr
+
+    clean = run(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-4000:]
+    a = load_checkpoint(tmp_path / "restarted" / "digits-training" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "clean" / "digits-training" / "checkpoints" / "last.pt")
+    assert a["epoch"] == b["epoch"] == 2
+    for key, value in b["model"].items():
+        torch.testing.assert_close(a["model"][key], value, rtol=0, atol=1e-6)

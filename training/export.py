@@ -1,0 +1,175 @@
+"""Export a trained model: TorchScript (script, trace), ONNX, int8, each checked on held-out data.
+
+Every exported file is run on held-out inputs with its own runtime and compared with the eager
+model; a file whose outputs differ by more than its tolerance is refused (`ExportError`).
+
+| format | runtime | tolerance vs eager fp32 (max abs difference of the logits) |
+| --- | --- | --- |
+| torchscript (script) | torch.jit | 1e-4 |
+| traced | torch.jit | 1e-4, and script vs trace agree to 1e-5 |
+| onnx | onnxruntime (CPU) | 1e-3 |
+| int8 | archiver.quantize | its guard on the validation samples: top-1 agreement >= 0.98 |
+
+`torch.jit` and the TorchScript-based ONNX exporter print deprecation warnings on torch 2.13;
+they are filtered here, around each call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from archiver.quantize import QuantizationError, ValidationSamples, quantize_model_file
+
+TORCHSCRIPT_ATOL = 1e-4
+SCRIPT_VS_TRACE_ATOL = 1e-5
+ONNX_ATOL = 1e-3
+INPUT_NAME = "x"
+OUTPUT_NAME = "output0"
+FORMATS = ("torchscript", "traced", "onnx", "int8")
+
+
+class ExportError(RuntimeError):
+    """An export that failed or does not match the eager model; the message says how."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One exported model file, what runs it, and how far it is from the eager model."""
+
+    fmt: str
+    path: Path
+    model_format: str  # archiver's: "torchscript" or "onnx"
+    max_abs_diff: float
+    quantization: Any = None  # archiver.manifest.Quantization for int8
+
+
+def eager_logits(model: nn.Module, inputs: torch.Tensor) -> np.ndarray:
+    model.eval()
+    with torch.no_grad():
+        out: torch.Tensor = model(inputs)
+    return out.float().numpy()
+
+
+def run_torchscript(path: Path, inputs: np.ndarray) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
+    module.eval()
+    with torch.no_grad():
+        out: torch.Tensor = module(torch.from_numpy(inputs))
+    return out.numpy()
+
+
+def run_onnx(path: Path, inputs: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    (out,) = session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(inputs)})
+    return np.asarray(out)
+
+
+def runner_for(model_format: str) -> Callable[[Path, np.ndarray], np.ndarray]:
+    return run_onnx if model_format == "onnx" else run_torchscript
+
+
+def _check(fmt: str, got: np.ndarray, want: np.ndarray, atol: float) -> float:
+    diff = float(np.abs(got - want).max())
+    if not diff <= atol:
+        raise ExportError(
+            f"the {fmt} export differs from the eager model by {diff:.3g} "
+            f"(more than the tolerance {atol:g}) on held-out inputs"
+        )
+    return diff
+
+
+def export_torchscript(model: nn.Module, path: Path, held_out: torch.Tensor) -> Exported:
+    """`torch.jit.script`, saved and reloaded, checked against eager."""
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(model)
+        torch.jit.save(scripted, str(path))
+    want = eager_logits(model, held_out)
+    diff = _check("TorchScript", run_torchscript(path, held_out.numpy()), want, TORCHSCRIPT_ATOL)
+    return Exported("torchscript", path, "torchscript", diff)
+
+
+def export_traced(
+    model: nn.Module, path: Path, example: torch.Tensor, held_out: torch.Tensor
+) -> Exported:
+    """`torch.jit.trace` on `example`; it must agree with `script` on other (held-out) inputs."""
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(model, example)  # type: ignore[no-untyped-call]
+        scripted = torch.jit.script(model)
+        torch.jit.save(traced, str(path))
+        with torch.no_grad():
+            by_script = scripted(held_out).numpy()
+    by_trace = run_torchscript(path, held_out.numpy())
+    _check("traced (vs scripted)", by_trace, by_script, SCRIPT_VS_TRACE_ATOL)
+    diff = _check("traced TorchScript", by_trace, eager_logits(model, held_out), TORCHSCRIPT_ATOL)
+    return Exported("traced", path, "torchscript", diff)
+
+
+def export_onnx(
+    model: nn.Module, path: Path, example: torch.Tensor, held_out: torch.Tensor
+) -> Exported:
+    """ONNX with a dynamic batch axis, checked in onnxruntime on a batch of another size."""
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
+        )
+    if held_out.shape[0] == example.shape[0]:
+        raise ExportError("check the ONNX export on a batch size other than the example's")
+    diff = _check(
+        "ONNX", run_onnx(path, held_out.numpy()), eager_logits(model, held_out), ONNX_ATOL
+    )
+    return Exported("onnx", path, "onnx", diff)
+
+
+def export_int8(
+    model: nn.Module,
+    folder: Path,
+    sample: np.ndarray,
+    validation_inputs: np.ndarray,
+    validation_labels: np.ndarray,
+) -> Exported:
+    """Dynamic int8 (Linear layers) of the scripted model through archiver.quantize.
+
+    Its accuracy guard compares int8 with fp32 on the validation samples and refuses a model
+    that drifts too far (ExportError).
+    """
+    fp32 = folder / "int8-source.pt"
+    export_torchscript(model, fp32, torch.from_numpy(validation_inputs))
+    dst = folder / "model.int8.pt"
+    validation = ValidationSamples(inputs={INPUT_NAME: validation_inputs}, labels=validation_labels)
+    try:
+        report = quantize_model_file(
+            fp32, dst, "torchscript", {INPUT_NAME: sample}, validation=validation
+        )
+    except QuantizationError as exc:
+        raise ExportError(f"int8 export refused: {exc}") from None
+    checked = report.validation
+    diff = checked.max_abs_diff if checked is not None else report.max_abs_diff
+    return Exported("int8", dst, "torchscript", float(diff), report.manifest_entry("archive"))
