@@ -20,13 +20,16 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from server import snapshot
 from server.dataplane import DataPlane
 from server.grpc.server import GrpcServers
 from server.metrics import ServerMetrics
 from server.registry import ModelRegistry, find_archives
+from server.rest.guard import guarded
 from server.rest.inference import create_inference_app
 from server.rest.management import create_management_app
 from server.rest.metrics import create_metrics_app
+from server.security import resolve_keys
 from server.settings import ServerSettings, parse_address
 
 log = logging.getLogger("scriptserve.app")
@@ -84,21 +87,63 @@ def startup_sources(settings: ServerSettings) -> list[tuple[str | None, Path]]:
     return sources
 
 
+def restore_snapshot(settings: ServerSettings) -> bool:
+    """Restore the last snapshot unless told not to, or told which models to load (--models)."""
+    return settings.restore_snapshot and settings.models == ["all"]
+
+
+async def load_startup_models(
+    registry: ModelRegistry, settings: ServerSettings, stop: asyncio.Event
+) -> None:
+    """The last snapshot's models (see `restore_snapshot`), else the ones --models names."""
+    restored = snapshot.read(settings) if restore_snapshot(settings) else None
+    if restored is not None:
+        log.info("restoring %d model version(s) from the snapshot", len(restored))
+        for entry in restored:
+            if stop.is_set():
+                break
+            mv = await registry.load(entry.source, entry.name, entry.settings, startup=True)
+            if entry.default and mv.ready:
+                registry.set_default(mv.name, mv.version)
+    else:
+        for name, path in startup_sources(settings):
+            if stop.is_set():
+                break
+            await registry.load(path, name, startup=True)
+
+
 async def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     # Workers run the model without the GIL but need it back to hand results over; with
     # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
     # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
+    keys = resolve_keys(settings)  # SecurityConfigError: the CLI exits 2 with its one line
     devices = available_devices(settings)
     metrics = ServerMetrics()
     registry = ModelRegistry(settings, metrics, devices)
     metrics.watch(registry.stats)
     dataplane = DataPlane(registry, metrics, settings)
+    limit = settings.max_request_bytes
+    # Probes carry no key: liveness and readiness stay open and say nothing else.
+    probes = ("/ping", "/v2/health/live", "/v2/health/ready")
     apps: list[tuple[str, FastAPI, str]] = [
-        ("inference", create_inference_app(dataplane, settings), settings.inference_address),
-        ("management", create_management_app(dataplane, settings), settings.management_address),
-        ("metrics", create_metrics_app(metrics), settings.metrics_address),
+        (
+            "inference",
+            guarded(create_inference_app(dataplane, settings), keys, "inference", limit, *probes),
+            settings.inference_address,
+        ),
+        (
+            "management",
+            guarded(create_management_app(dataplane, settings), keys, "management", limit),
+            settings.management_address,
+        ),
+        # Prometheus scrapes without a key; the metrics port binds loopback by default.
+        (
+            "metrics",
+            guarded(create_metrics_app(metrics), keys, "inference", limit, "/metrics"),
+            settings.metrics_address,
+        ),
     ]
     sockets = [bind(address) for _, _, address in apps]
     servers = []
@@ -123,7 +168,7 @@ async def serve(settings: ServerSettings) -> int:
     for (what, _, _), sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("%s API listening on http://%s:%d", what, host, port)
-    grpc_servers = GrpcServers(dataplane, settings)
+    grpc_servers = GrpcServers(dataplane, settings, keys)
     try:
         grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)
     except RuntimeError as exc:
@@ -134,10 +179,8 @@ async def serve(settings: ServerSettings) -> int:
         settings.grpc_inference_address, settings.grpc_management_address,
     )  # fmt: skip
 
-    for name, path in startup_sources(settings):
-        if stop.is_set():
-            break
-        await registry.load(path, name, startup=True)
+    await load_startup_models(registry, settings, stop)
+    dataplane.on_change = lambda: snapshot.write(registry, settings)
     dataplane.starting = False
     await grpc_servers.serving()
     log.info(
@@ -147,12 +190,14 @@ async def serve(settings: ServerSettings) -> int:
 
     await stop.wait()
     log.info("shutting down: draining in-flight requests (up to %g s)", settings.drain_timeout_s)
-    dataplane.draining = True
+    # Readiness answers 503 and new requests are refused while the accepted ones finish; the
+    # listeners stay open meanwhile, so probes and clients get an answer, not a refused connection.
+    await grpc_servers.not_serving()
+    if not await dataplane.drain(settings.drain_timeout_s):
+        log.warning("drain timeout: %d request(s) still in flight", dataplane.inflight)
     for s in servers:
         s.should_exit = True
-    await asyncio.gather(
-        *tasks, grpc_servers.stop(settings.drain_timeout_s), return_exceptions=True
-    )
+    await asyncio.gather(*tasks, grpc_servers.stop(1.0), return_exceptions=True)
     await dataplane.close()
     for sock in sockets:
         sock.close()

@@ -3,6 +3,7 @@
 - `scriptserve serve --model-store DIR --models all`
 - `scriptserve archive create|inspect|verify ...`
 - `scriptserve predict ARCHIVE --input FILE.json`
+- `scriptserve train ...` (runs `python -m training ...`)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +51,11 @@ def predict(archive: Path, input_file: Path, device: str) -> object:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line settings; each overrides the YAML file and SCRIPTSERVE_* variables."""
     p.add_argument("--config", type=Path, help="YAML settings file")
+    p.add_argument(
+        "--ts-config",
+        type=Path,
+        help="TorchServe config.properties to take settings from (below --config)",
+    )
     p.add_argument("--model-store", type=Path, help="directory of archives (default ./model_store)")
     p.add_argument("--models", nargs="+", help="all | NAME=FILE | FILE ... (default all)")
     p.add_argument("--inference-address", help="HOST:PORT (default 127.0.0.1:8080)")
@@ -65,11 +72,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-timeout", dest="response_timeout_s", type=float, help="seconds")
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds")
     p.add_argument(
+        "--worker-mode", choices=["thread", "process"], help="default worker kind (thread)"
+    )
+    p.add_argument(
         "--enable-model-api",
         action="store_true",
         default=None,
         help="allow register/unregister through the management API",
     )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=None,
+        help="check no key on any API, even beyond loopback (behind an authenticating proxy only)",
+    )
+    p.add_argument(
+        "--no-snapshot",
+        dest="restore_snapshot",
+        action="store_false",
+        default=None,
+        help="do not restore the models of the last snapshot",
+    )
+    p.add_argument("--key-file", type=Path, help="where keys generated at start are written")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -78,6 +102,7 @@ _SERVE_KEYS = (
     "grpc_inference_address", "grpc_management_address",
     "device", "workers_per_model", "intra_op_threads", "max_batch_size", "max_batch_delay_ms",
     "queue_size", "response_timeout_s", "drain_timeout_s", "enable_model_api", "log_level",
+    "worker_mode", "insecure_no_auth", "restore_snapshot", "key_file", "ts_config",
 )  # fmt: skip
 
 
@@ -85,6 +110,7 @@ def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from server.app import StartupError, run
+    from server.security import SecurityConfigError
 
     try:
         settings = load_settings(args.config, **{k: getattr(args, k) for k in _SERVE_KEYS})
@@ -94,8 +120,16 @@ def serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.ts_config is not None:
+        from server.tsconfig import report_ts_config
+
+        report_ts_config(settings.ts_config)
     try:
         return run(settings)
+    except SecurityConfigError as exc:
+        # Exit 2, as for a usage error: the command line or settings must change.
+        print(f"scriptserve serve: error: {exc}", file=sys.stderr)
+        return 2
     except StartupError as exc:
         fail("scriptserve serve", str(exc))
 
@@ -114,10 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON input: an array (one instance of the single input) or {name: instance}",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    sub.add_parser(
+        "train",
+        add_help=False,
+        help="train a digits model into archives (python -m training; see its --help)",
+    )
     return parser
 
 
+def train(args: Sequence[str]) -> int:
+    """Replace this process with `python -m training ARGS` (the server never imports training)."""
+    os.execv(sys.executable, [sys.executable, "-m", "training", *args])
+    return 1  # not reached: execv returns only by raising OSError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        return train(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "archive":
         return run_archive_command(args, "scriptserve archive")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +30,8 @@ from server.errors import (
     error_for_status,
 )
 from server.metrics import ServerMetrics
-from server.registry import ModelRegistry, ModelVersion
+from server.registry import ModelRegistry, ModelState, ModelVersion
+from server.security import fetch_archive, is_url
 from server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.dataplane")
@@ -53,6 +56,25 @@ class ModelMetadata:
     platform: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """`quantization` and, for int8, how it was made (docs/quantization.md)."""
+
+
+def quantization_parameters(mv: ModelVersion) -> dict[str, Any]:
+    """Flat OIP-style parameters saying whether a version serves an int8 model."""
+    info = mv.manifest.scriptserve if mv.manifest else None
+    if info is None or not info.quantization.quantized:
+        return {"quantization": "none"}
+    q = info.quantization
+    found = {
+        "quantization": q.mode,
+        "quantization_applied_at": q.details.get("appliedAt"),
+        "quantization_source_sha256": q.source_sha256,
+        "quantization_size_ratio": q.size_ratio,
+        "quantization_latency_ratio": q.latency_ratio,
+        "quantization_max_abs_diff": q.max_abs_diff,
+    }
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def _expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
@@ -74,6 +96,19 @@ class DataPlane:
         """Until the models named at startup have all been loaded (or have failed)."""
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
+        self._inflight: dict[tuple[str, str], int] = {}
+        """Requests submitted and not yet answered, per (model, version)."""
+        self.on_change: Callable[[], None] | None = None
+        """Called after every management change (the snapshot writer)."""
+
+    @property
+    def inflight(self) -> int:
+        """Requests accepted for inference and not yet answered, across every model."""
+        return sum(self._inflight.values())
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # -- health and metadata -----------------------------------------------------------------
     def live(self) -> bool:
@@ -104,6 +139,7 @@ class DataPlane:
             platform=_PLATFORMS[mv.manifest.model_format],
             inputs=signature.inputs,
             outputs=signature.outputs,
+            parameters=quantization_parameters(mv),
         )
 
     # -- inference ---------------------------------------------------------------------------
@@ -120,9 +156,20 @@ class DataPlane:
         status = 500
         label_version: str | None = None
         try:
+            if self.draining:
+                raise ModelNotReady("the server is shutting down; retry on another replica")
             mv = self._serving(name, version)
             label_version = mv.version
-            response = await self._submit(mv, request, timeout_s)
+            key = (mv.name, mv.version)
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+            try:
+                response = await self._submit(mv, request, timeout_s)
+            finally:
+                left = self._inflight[key] - 1
+                if left:
+                    self._inflight[key] = left
+                else:
+                    del self._inflight[key]
             if response.error is not None:
                 raise error_for_status(response.status, response.error)
             status = 200
@@ -149,7 +196,9 @@ class DataPlane:
 
     def _serving(self, name: str, version: str | None) -> ModelVersion:
         mv = self.registry.get(name, version)
-        if not mv.ready or mv.batcher is None:
+        if mv.state is ModelState.FAILED:
+            raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
+        if not mv.serving or mv.batcher is None:
             raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
         return mv
 
@@ -187,25 +236,51 @@ class DataPlane:
             raise MethodNotAllowed(
                 "registering models is disabled; start the server with --enable-model-api"
             )
-        source = self.registry.resolve_source(url)
+        downloaded = is_url(url)
+        if downloaded:
+            source = await fetch_archive(url, self.settings)
+        else:
+            source = self.registry.resolve_source(url)
         if synchronous:
-            mv = await self.registry.load(source, model_name, overrides)
+            try:
+                mv = await self.registry.load(source, model_name, overrides)
+            except ServingError:
+                if downloaded:
+                    source.unlink(missing_ok=True)
+                raise
+            self._changed()
             workers = mv.pool.size if mv.pool else 0
             return True, (
                 f'Model "{mv.name}" Version: {mv.version} registered with {workers} initial workers'
             )
-        task = asyncio.create_task(self._register_later(source, model_name, overrides))
+        task = asyncio.create_task(self._register_later(source, model_name, overrides, downloaded))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return False, "Processing worker updates..."
 
     async def _register_later(
-        self, source: Any, model_name: str | None, overrides: dict[str, Any] | None
+        self,
+        source: Path,
+        model_name: str | None,
+        overrides: dict[str, Any] | None,
+        downloaded: bool = False,
     ) -> None:
         try:
             await self.registry.load(source, model_name, overrides)
         except ServingError as exc:
             log.error("asynchronous registration of %s failed: %s", source.name, exc.message)
+            if downloaded:
+                source.unlink(missing_ok=True)
+        else:
+            self._changed()
+
+    async def _scale_later(self, mv: ModelVersion, workers: int) -> None:
+        try:
+            await self.registry.scale(mv, workers)
+        except ServingError as exc:
+            log.error("model=%s scaling to %d workers failed: %s", mv.name, workers, exc.message)
+        else:
+            self._changed()
 
     async def scale(
         self, name: str, version: str | None, workers: int, synchronous: bool = False
@@ -213,8 +288,9 @@ class DataPlane:
         mv = self.registry.get(name, version)
         if synchronous:
             await self.registry.scale(mv, workers)
+            self._changed()
             return True, f"Workers scaled to {workers} for model: {mv.name}, version: {mv.version}"
-        task = asyncio.create_task(self.registry.scale(mv, workers))
+        task = asyncio.create_task(self._scale_later(mv, workers))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return False, "Processing worker updates..."
@@ -225,10 +301,12 @@ class DataPlane:
                 "unregistering models is disabled; start the server with --enable-model-api"
             )
         mv = await self.registry.unload(name, version, self.settings.drain_timeout_s)
+        self._changed()
         return f'Model "{mv.name}" version {mv.version} unregistered'
 
     def set_default(self, name: str, version: str) -> str:
         self.registry.set_default(name, version)
+        self._changed()
         return f'Default version successfully updated for model "{name}" to "{version}"'
 
     def describe(self, name: str, version: str | None = None) -> list[dict[str, Any]]:
@@ -257,19 +335,26 @@ class DataPlane:
             "quantization": manifest.scriptserve.quantization.mode
             if manifest and manifest.scriptserve
             else "none",
+            "quantizationInfo": manifest.scriptserve.quantization.to_dict()
+            if manifest and manifest.scriptserve
+            else {"mode": "none"},
             "state": mv.state.value,
             "reason": mv.reason,
             "isDefault": self.registry.default_version(mv.name) == mv.version,
             "minWorkers": mv.pool.size if mv.pool else 0,
-            "maxWorkers": mv.pool.size if mv.pool else 0,
+            "maxWorkers": max(s.max_workers or 0, mv.pool.size) if s and mv.pool else 0,
             "batchSize": s.batch_size if s else None,
             "maxBatchDelay": s.max_batch_delay_ms if s else None,
             "responseTimeout": s.response_timeout_s if s else None,
+            "deviceType": s.device_type if s else None,
+            "workerMode": s.worker_mode if s else None,
+            "deviceIds": list(s.device_ids) if s and s.device_ids is not None else None,
             "loadedAtStartup": mv.loaded_at_startup,
             "workers": mv.pool.describe() if mv.pool else [],
             "jobQueueStatus": {
                 "remainingCapacity": (s.queue_size - pending) if s else 0,
                 "pendingRequests": pending,
+                "inFlightRequests": self._inflight.get((mv.name, mv.version), 0),
             },
         }
 
@@ -288,6 +373,14 @@ class DataPlane:
         if next_page_token + limit < len(names):
             body["nextPageToken"] = str(next_page_token + limit)
         return body
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait for the accepted ones; True if all were answered."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.inflight
 
     async def close(self) -> None:
         """Stop taking traffic, let queues drain, stop every model."""

@@ -65,6 +65,7 @@ class VersionMetrics:
         self.inference_latency = metrics.inference_latency.labels(model, version)
         self.batch_size = metrics.batch_size.labels(model, version)
         self.worker_restarts = metrics.worker_restarts.labels(model, version)
+        self.workers_stuck = metrics.workers_stuck.labels(model, version)
 
 
 class ServerMetrics:
@@ -95,6 +96,10 @@ class ServerMetrics:
         self._request_children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self.worker_restarts = Counter(
             "scriptserve_worker_restarts", "Workers replaced after dying or hanging",
+            ["model", "version"], registry=self.registry,
+        )  # fmt: skip
+        self.workers_stuck = Counter(
+            "scriptserve_workers_stuck", "Workers stuck in one call past the response timeout",
             ["model", "version"], registry=self.registry,
         )  # fmt: skip
 

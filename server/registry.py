@@ -12,19 +12,22 @@ import gc
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from archiver.archive import ArchiveError, ArchiveReader, open_archive
 from archiver.manifest import Manifest, ManifestError, check_model_name
+from archiver.quantize_cache import load_request, quantize_for_load
 from handlers.backends import BackendError
 from handlers.base import BaseHandler, Context, HandlerError
 from handlers.loader import handler_class, load_handler, read_model_config
 from server.batching import DynamicBatcher
 from server.errors import Conflict, InvalidInput, ModelNotFound, ModelNotReady, ServingError
 from server.metrics import ServerMetrics, VersionStats
+from server.procchild import ChildSpec
+from server.procworkers import ProcessWorkerPool, RestartPolicy
 from server.settings import ModelSettings, ServerSettings
 from server.workers import WorkerPool
 
@@ -63,12 +66,18 @@ class ModelVersion:
     manifest: Manifest | None = None
     reader: ArchiveReader | None = None
     batcher: DynamicBatcher | None = None
-    pool: WorkerPool | None = None
+    pool: WorkerPool | ProcessWorkerPool | None = None
     loaded_at: float = field(default_factory=time.time)
 
     @property
+    def serving(self) -> bool:
+        """Requests are accepted: loaded, and at least one worker able to run them."""
+        return self.state is ModelState.READY and self.pool is not None and self.pool.live > 0
+
+    @property
     def ready(self) -> bool:
-        return self.state is ModelState.READY and self.pool is not None and self.pool.size > 0
+        """Readiness: serving at full capacity (no worker missing, e.g. one being replaced)."""
+        return self.serving and self.pool is not None and self.pool.live >= self.pool.size
 
 
 def find_archives(store: Path) -> list[Path]:
@@ -235,12 +244,16 @@ class ModelRegistry:
         assert mv.reader is not None and mv.manifest is not None
         root, manifest = mv.reader.root, mv.manifest
         config = read_model_config(root, manifest)
-        cls = handler_class(manifest.model.handler, root)
+        cls = handler_class(manifest.model.handler, root, manifest)
         gpus = sum(1 for d in self.devices if d.startswith("cuda"))
+        overrides = dict(overrides)
+        model_file, manifest = self._quantize(mv, config, overrides.pop("quantize", None))
         try:
             settings = ModelSettings.resolve(
-                self.settings, config, overrides, gpus=gpus, batching=cls.supports_batching
-            )
+                self.settings, config, overrides, gpus=gpus, batching=cls.supports_batching,
+                defaults=self.settings.model_config_defaults(mv.name, mv.version),
+            )  # fmt: skip
+            devices = settings.devices(self.devices)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         mv.settings = settings
@@ -255,17 +268,63 @@ class ModelRegistry:
                 device=device,
                 batch_size=settings.batch_size,
                 intra_op_threads=self.settings.intra_op_threads,
+                model_file=model_file,
             )
             return load_handler(context), context
 
         mv.batcher = DynamicBatcher(
             settings.batch_size, settings.max_batch_delay_ms / 1000.0, settings.queue_size
         )
-        mv.pool = WorkerPool(
-            mv.name, mv.version, mv.batcher, build, self.devices,
-            self.metrics.for_version(mv.name, mv.version),
-        )  # fmt: skip
+        metrics = self.metrics.for_version(mv.name, mv.version)
+        if settings.worker_mode == "process":
+            spec = ChildSpec.for_model(
+                mv.name, mv.version, root, manifest, config,
+                settings.batch_size, self.settings.intra_op_threads,
+            )  # fmt: skip
+            spec = replace(spec, model_file=str(model_file) if model_file else None)
+            s = self.settings
+            policy = RestartPolicy(
+                s.worker_restart_backoff_s, s.worker_restart_backoff_max_s,
+                s.worker_max_restarts, s.worker_restart_window_s, s.worker_stop_grace_s,
+            )  # fmt: skip
+            mv.pool = ProcessWorkerPool(
+                mv.name, mv.version, mv.batcher, spec, devices, metrics,
+                settings.response_timeout_s, policy, on_failed=lambda r: self._failed_at_run(mv, r),
+            )  # fmt: skip
+        else:
+            mv.pool = WorkerPool(
+                mv.name, mv.version, mv.batcher, build, devices, metrics,
+                response_timeout_s=settings.response_timeout_s,
+                max_abandoned=self.settings.max_abandoned_threads,
+                on_failed=lambda r: self._failed_at_run(mv, r),
+            )  # fmt: skip
         mv.pool.scale(settings.workers)
+
+    def _quantize(
+        self, mv: ModelVersion, config: dict[str, Any], requested: str | None
+    ) -> tuple[Path | None, Manifest]:
+        """The int8 file to serve when the config or the registration asks for it (converted
+        once, then taken from the cache), and the manifest that records it."""
+        assert mv.reader is not None and mv.manifest is not None
+        request = load_request(config, requested, threads=self.settings.intra_op_threads)
+        if request is None:
+            return None, mv.manifest
+        cache = self.settings.quantize_cache_dir or self.settings.model_store / ".cache" / "int8"
+        model_file, mv.manifest = quantize_for_load(mv.reader.root, mv.manifest, cache, request)
+        q = mv.manifest.scriptserve.quantization if mv.manifest.scriptserve else None
+        if q is not None and q.details.get("appliedAt") == "load":
+            log.info(
+                "model=%s version=%s serves dynamic int8 (%s): %.2fx smaller, %.2fx faster",
+                mv.name, mv.version, "from cache" if q.details.get("cached") else "converted",
+                q.size_ratio or 0, q.latency_ratio or 0,
+            )  # fmt: skip
+        return model_file, mv.manifest
+
+    def _failed_at_run(self, mv: ModelVersion, reason: str) -> None:
+        """A loaded version's workers keep failing (called from a worker thread)."""
+        log.error("model=%s version=%s marked FAILED: %s", mv.name, mv.version, reason)
+        mv.reason = reason
+        mv.state = ModelState.FAILED
 
     def _stop(self, mv: ModelVersion, timeout_s: float = 30.0) -> None:
         if mv.batcher is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -70,6 +70,27 @@ class _YamlFileSource(PydanticBaseSettingsSource):
         return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+class _TsConfigSource(PydanticBaseSettingsSource):
+    """Values from the TorchServe config.properties named by the `ts_config` init argument."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init: InitSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self._path = init.init_kwargs.get("ts_config")
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ returns the whole mapping
+
+    def __call__(self) -> dict[str, Any]:
+        if not self._path:
+            return {}
+        from server.tsconfig import TsConfigError, read_ts_config
+
+        try:
+            return read_ts_config(Path(self._path)).settings
+        except TsConfigError as exc:
+            raise SettingsError(str(exc)) from None
+
+
 class ServerSettings(BaseSettings):
     """Everything the serving process can be told."""
 
@@ -80,6 +101,9 @@ class ServerSettings(BaseSettings):
 
     model_store: Path = Path("model_store")
     """Directory the server loads archives from; registration by file name looks here."""
+    quantize_cache_dir: Path | None = None
+    """Where models converted to int8 at load are kept, by source hash (default
+    `<model_store>/.cache/int8`), so a restart does not convert them again."""
     models: list[str] = Field(default_factory=lambda: ["all"])
     """Models to load at start: `all` (every archive in the store), `NAME=FILE`, or `FILE`."""
 
@@ -109,6 +133,22 @@ class ServerSettings(BaseSettings):
     """Requests waiting per model version before new ones get 503 + Retry-After."""
     response_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of one request from arrival to answer; clients may only shorten it."""
+    worker_mode: Literal["thread", "process"] = "thread"
+    """Default worker kind: `thread` (fastest, shared memory) or `process` (a child process per
+    worker, fed through shared memory: a crash, OOM kill or hang takes down one worker, which
+    is replaced). A model's config (`workerMode`) or its registration may choose otherwise."""
+    worker_restart_backoff_s: float = Field(default=1.0, ge=0)
+    """First delay before a dead process worker is replaced; it doubles on each crash in a row."""
+    worker_restart_backoff_max_s: float = Field(default=30.0, ge=0)
+    worker_max_restarts: int = Field(default=5, ge=0)
+    """Worker crashes (or hangs) a model may have within `worker_restart_window_s`; one more and
+    the model is marked FAILED instead of restarting again."""
+    worker_restart_window_s: float = Field(default=300.0, gt=0)
+    worker_stop_grace_s: float = Field(default=5.0, ge=0)
+    """How long a stopping process worker may take to exit before it is killed (SIGKILL)."""
+    max_abandoned_threads: int = Field(default=4, ge=0)
+    """Thread workers stuck past the response timeout that are replaced (a thread cannot be
+    killed); with more than this many still stuck, the model is marked FAILED."""
 
     enable_model_api: bool = False
     """Allow register / unregister through the management API (TorchServe's enable_model_api)."""
@@ -116,6 +156,45 @@ class ServerSettings(BaseSettings):
     """On SIGTERM, how long in-flight requests may take to finish."""
     docs: bool = True
     """Serve /openapi.json and /docs."""
+
+    management_key: SecretStr | None = None
+    """Bearer token the management API (REST and gRPC) requires; generated at start if unset."""
+    inference_key: SecretStr | None = None
+    """Bearer token the inference API requires; when unset the inference API is open on
+    loopback, and a key is generated when it listens beyond loopback."""
+    management_key_file: Path | None = None
+    """File holding the management key (e.g. a mounted Kubernetes Secret)."""
+    inference_key_file: Path | None = None
+    """File holding the inference key."""
+    key_file: Path | None = Path("key_file.json")
+    """Where keys generated at start are written (JSON, mode 0600); unset = never generate."""
+    insecure_no_auth: bool = False
+    """Turn every token check off, even beyond loopback (behind an authenticating proxy only)."""
+    max_request_bytes: int = Field(default=6553500, ge=1024)
+    """Largest HTTP request body on every route (TorchServe's max_request_size); larger: 413."""
+    max_multipart_files: int = Field(default=16, ge=1)
+    """Most files one multipart request may carry."""
+    max_multipart_fields: int = Field(default=64, ge=1)
+    """Most fields (files included) one multipart request may carry."""
+    max_multipart_part_bytes: int = Field(default=1 << 20, ge=1024)
+    """Largest non-file multipart field (files are bounded by max_request_bytes)."""
+    allowed_urls: list[str] = Field(default_factory=list)
+    """Regular expressions an http(s) registration URL must match in full; empty = none."""
+    download_max_bytes: int = Field(default=1 << 30, ge=1024)
+    """Largest archive a registration may download."""
+    download_timeout_s: float = Field(default=60.0, gt=0)
+    """Time a registration's download may take, from connect to the last byte."""
+    snapshot_dir: Path | None = None
+    """Where the registered models are recorded on every change; default <model_store>/.snapshot."""
+    restore_snapshot: bool = True
+    """Load the last snapshot's models at start (when --models is left at `all`)."""
+    ts_config: Path | None = None
+    """A TorchServe config.properties to read settings from (below the YAML file; see
+    server/tsconfig.py for the keys it maps)."""
+    model_defaults: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict)
+    """Per model name and version ("*" = any), TorchServe model-config keys (batchSize,
+    maxBatchDelay, minWorkers, maxWorkers, responseTimeout, ...) that the archive's own config
+    file overrides: TorchServe's config.properties `models`."""
     log_level: str = "info"
 
     @field_validator(
@@ -140,7 +219,17 @@ class ServerSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         assert isinstance(init_settings, InitSettingsSource)
-        return (init_settings, env_settings, _YamlFileSource(settings_cls, init_settings))
+        return (
+            init_settings,
+            env_settings,
+            _YamlFileSource(settings_cls, init_settings),
+            _TsConfigSource(settings_cls, init_settings),
+        )
+
+    def model_config_defaults(self, name: str, version: str) -> dict[str, Any]:
+        """The `model_defaults` for one model version: its version's keys over "*"'s."""
+        versions = self.model_defaults.get(name, {})
+        return {**versions.get("*", {}), **versions.get(version, {})}
 
     def default_workers(self, gpus: int) -> int:
         if self.workers_per_model is not None:
@@ -186,6 +275,25 @@ _ARCHIVE_KEYS = {
     "minWorkers": "workers",
     "responseTimeout": "response_timeout_s",
     "jobQueueSize": "queue_size",
+    "maxWorkers": "max_workers",
+    "deviceType": "device_type",
+    "deviceIds": "device_ids",
+    "workerMode": "worker_mode",
+    "worker_mode": "worker_mode",
+}
+WORKER_MODES = ("thread", "process")
+
+
+def _device_ids(value: Any) -> tuple[int, ...]:
+    """deviceIds as a YAML list, or a comma-separated string."""
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(int(i) for i in items)
+
+
+_MODEL_TYPES: dict[str, Any] = {
+    "max_workers": int,
+    "device_type": lambda v: str(v).lower(),
+    "device_ids": _device_ids,
 }
 
 
@@ -198,6 +306,25 @@ class ModelSettings:
     workers: int
     response_timeout_s: float
     queue_size: int
+    worker_mode: str = "thread"
+    max_workers: int | None = None
+    """TorchServe's maxWorkers: the most workers scaling may start; None = no limit."""
+    device_type: str | None = None
+    """`cpu` or `gpu` (TorchServe's deviceType); None = the server's devices."""
+    device_ids: tuple[int, ...] | None = None
+    """The GPUs this model may use (TorchServe's deviceIds); None = every visible one."""
+
+    def devices(self, available: list[str]) -> list[str]:
+        """The server's devices this model's workers may run on, round-robin."""
+        if self.device_type == "cpu":
+            return ["cpu"]
+        gpus = [d for d in available if d.startswith("cuda")]
+        if self.device_ids is not None:
+            gpus = [d for d in gpus if int(d.partition(":")[2] or 0) in self.device_ids]
+        if self.device_type == "gpu" and not gpus:
+            wanted = f" {list(self.device_ids)}" if self.device_ids is not None else ""
+            raise ValueError(f"deviceType gpu{wanted} asked for, but no such GPU is visible")
+        return gpus or available
 
     @classmethod
     def resolve(
@@ -207,23 +334,36 @@ class ModelSettings:
         overrides: dict[str, Any] | None = None,
         gpus: int = 0,
         batching: bool = True,
+        defaults: dict[str, Any] | None = None,
     ) -> ModelSettings:
+        """`defaults` are TorchServe model-config keys from the server's config (its
+        config.properties `models`); the archive's config file wins over them."""
         settings = cls(
             batch_size=server.max_batch_size,
             max_batch_delay_ms=server.max_batch_delay_ms,
             workers=server.default_workers(gpus),
             response_timeout_s=server.response_timeout_s,
             queue_size=server.queue_size,
+            worker_mode=server.worker_mode,
         )
-        values = {_ARCHIVE_KEYS[k]: v for k, v in archive_config.items() if k in _ARCHIVE_KEYS}
+        values = {
+            _ARCHIVE_KEYS[k]: v
+            for config in (defaults or {}, archive_config)
+            for k, v in config.items()
+            if k in _ARCHIVE_KEYS
+        }
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         try:
-            settings = replace(
-                settings,
-                **{k: type(getattr(settings, k))(v) for k, v in values.items()},
-            )
+            converted = {
+                k: _MODEL_TYPES.get(k, type(getattr(settings, k)))(v) for k, v in values.items()
+            }
+            settings = replace(settings, **converted)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"invalid model setting: {exc}") from None
+        if "workers" not in values and settings.device_type == "cpu":
+            settings = replace(settings, workers=server.default_workers(0))
+        elif "workers" not in values and settings.device_ids and settings.device_type == "gpu":
+            settings = replace(settings, workers=len(settings.device_ids))
         if not batching:
             settings = replace(settings, batch_size=1)
         for name in ("batch_size", "workers", "queue_size"):
@@ -231,4 +371,15 @@ class ModelSettings:
                 raise ValueError(f"{name} must be at least 1")
         if settings.response_timeout_s <= 0 or settings.max_batch_delay_ms < 0:
             raise ValueError("response_timeout must be > 0 and max_batch_delay >= 0")
+        if settings.max_workers is not None and settings.max_workers < settings.workers:
+            raise ValueError(
+                f"maxWorkers ({settings.max_workers}) must be at least minWorkers "
+                f"({settings.workers})"
+            )
+        if settings.device_type not in (None, "cpu", "gpu"):
+            raise ValueError(f"deviceType must be cpu or gpu (got {settings.device_type!r})")
+        if settings.worker_mode not in WORKER_MODES:
+            raise ValueError(
+                f"worker_mode must be 'thread' or 'process' (got {settings.worker_mode!r})"
+            )
         return settings

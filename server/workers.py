@@ -5,6 +5,11 @@ Each worker is bound to a device (`cpu`, or `cuda:N` round-robin). Handlers whos
 weights); others get one instance per worker. The pool scales at runtime: new workers start
 after their handler is ready, retiring workers finish their current batch first, so scaling
 never drops a request.
+
+A watchdog notices a worker stuck in one model call past the response timeout. A thread cannot
+be killed: the stuck one is abandoned (its result is dropped when it returns; its clients have
+had their 504 from the data plane's timer) and a replacement thread keeps the model serving.
+With more than `max_abandoned` abandoned threads still stuck, the model is reported failed.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class Worker:
     started_at: float = field(default_factory=time.time)
     batches: int = 0
     thread: threading.Thread | None = None
+    busy_since: float = 0.0
+    """time.monotonic() when the current batch started (valid while BUSY)."""
+    abandoned: bool = False
 
 
 def _deliver(outcomes: list[tuple[Job, InferenceResponse | ServingError]]) -> None:
@@ -59,6 +67,13 @@ def _deliver(outcomes: list[tuple[Job, InferenceResponse | ServingError]]) -> No
             job.future.set_result(outcome)
 
 
+def fail_jobs(jobs: list[Job], error: ServingError) -> None:
+    """Answer `jobs` with `error` (from any thread); futures already done are left alone."""
+    if jobs:
+        outcomes: list[tuple[Job, InferenceResponse | ServingError]] = [(j, error) for j in jobs]
+        jobs[0].future.get_loop().call_soon_threadsafe(_deliver, outcomes)
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -68,6 +83,9 @@ class WorkerPool:
         factory: HandlerFactory,
         devices: list[str],
         metrics: VersionMetrics,
+        response_timeout_s: float | None = None,
+        max_abandoned: int = 4,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model
         self.version = version
@@ -79,10 +97,21 @@ class WorkerPool:
         self._shared: dict[str, tuple[BaseHandler, Context]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._response_timeout_s = response_timeout_s
+        self._max_abandoned = max_abandoned
+        self._on_failed = on_failed
+        self._abandoned: list[Worker] = []
+        self._watchdog: threading.Thread | None = None
+        self._closed = threading.Event()
 
     # -- size -------------------------------------------------------------------------------
     @property
     def size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def live(self) -> int:
+        """Workers able to take a batch (a stuck thread is replaced at once, so all of them)."""
         return len(self._workers)
 
     def _handler_for(self, device: str) -> tuple[BaseHandler, Context]:
@@ -97,25 +126,34 @@ class WorkerPool:
         """Grow or shrink to `n` workers. Blocking: new workers load their handler first."""
         with self._lock:
             while len(self._workers) < n:
-                device = self._devices[len(self._workers) % len(self._devices)]
-                handler, context = self._handler_for(device)
-                worker = Worker(next(self._ids), device, handler, context)
-                worker.thread = threading.Thread(
-                    target=self._run,
-                    args=(worker,),
-                    name=f"worker-{self.model}-{self.version}-{worker.id}",
-                    daemon=True,
-                )
-                self._workers.append(worker)
-                worker.thread.start()
+                self._start_worker(self._devices[len(self._workers) % len(self._devices)])
             retiring = self._workers[n:]
             self._workers = self._workers[:n]
+            if self._response_timeout_s is not None and self._watchdog is None and n:
+                self._watchdog = threading.Thread(
+                    target=self._watch, name=f"watchdog-{self.model}-{self.version}", daemon=True
+                )
+                self._watchdog.start()
         for worker in retiring:
             worker.stop.set()
         self.batcher.wake_all()
 
+    def _start_worker(self, device: str) -> None:
+        """Build (or share) a handler for `device` and start a worker thread on it (lock held)."""
+        handler, context = self._handler_for(device)
+        worker = Worker(next(self._ids), device, handler, context)
+        worker.thread = threading.Thread(
+            target=self._run,
+            args=(worker,),
+            name=f"worker-{self.model}-{self.version}-{worker.id}",
+            daemon=True,
+        )
+        self._workers.append(worker)
+        worker.thread.start()
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every worker after its current batch; wait up to `timeout_s` for them."""
+        self._closed.set()
         with self._lock:
             workers, self._workers = self._workers, []
         for worker in workers:
@@ -125,13 +163,8 @@ class WorkerPool:
         for worker in workers:
             if worker.thread is not None:
                 worker.thread.join(max(0.0, deadline - time.monotonic()))
-        leftovers = self.batcher.take_all()
-        if leftovers:
-            error = ModelNotReady("the model was stopped before this request ran; retry")
-            outcomes: list[tuple[Job, InferenceResponse | ServingError]] = [
-                (job, error) for job in leftovers
-            ]
-            leftovers[0].future.get_loop().call_soon_threadsafe(_deliver, outcomes)
+        error = ModelNotReady("the model was stopped before this request ran; retry")
+        fail_jobs(self.batcher.take_all(), error)
 
     def describe(self) -> list[dict[str, object]]:
         return [
@@ -159,11 +192,66 @@ class WorkerPool:
             if batch.expired:
                 self._expire(batch)
             if batch.jobs:
+                worker.busy_since = time.monotonic()
                 worker.state = WorkerState.BUSY
                 self._process(worker, batch.jobs)
                 worker.batches += 1
                 worker.state = WorkerState.READY
+                if worker.abandoned:
+                    log.warning(
+                        "model=%s version=%s worker %d returned after %.1f s, past its response "
+                        "timeout; its result was dropped",
+                        self.model, self.version, worker.id, time.monotonic() - worker.busy_since,
+                    )  # fmt: skip
         worker.state = WorkerState.STOPPED
+
+    # -- the watchdog -----------------------------------------------------------------------
+    def _watch(self) -> None:
+        assert self._response_timeout_s is not None
+        timeout = self._response_timeout_s
+        interval = min(1.0, max(0.05, timeout / 4))
+        while not self._closed.wait(interval):
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker.state is WorkerState.BUSY and now - worker.busy_since > timeout:
+                    self._abandon(worker, now - worker.busy_since)
+
+    def _abandon(self, worker: Worker, stuck_s: float) -> None:
+        """Replace a worker stuck in the handler; it stops once (if ever) its call returns."""
+        with self._lock:
+            if worker not in self._workers or self._closed.is_set():
+                return
+            self._workers.remove(worker)
+            worker.abandoned = True
+            worker.stop.set()
+            self._abandoned = [w for w in self._abandoned if w.thread and w.thread.is_alive()]
+            self._abandoned.append(worker)
+            self._metrics.workers_stuck.inc()
+            log.error(
+                "model=%s version=%s worker %d stuck in the handler for %.1f s (response timeout "
+                "%g s); abandoning the thread (%d abandoned and still stuck)",
+                self.model, self.version, worker.id, stuck_s, self._response_timeout_s,
+                len(self._abandoned),
+            )  # fmt: skip
+            if len(self._abandoned) > self._max_abandoned:
+                reason = (
+                    f"{len(self._abandoned)} worker threads are stuck in the handler past the "
+                    f"response timeout of {self._response_timeout_s:g} s"
+                )
+                log.error("model=%s version=%s marked failed: %s", self.model, self.version, reason)
+                if self._on_failed is not None:
+                    self._on_failed(reason)
+                fail_jobs(self.batcher.take_all(), ModelNotReady(f"model {self.model!r}: {reason}"))
+                return
+            try:
+                self._start_worker(worker.device)
+            except Exception:
+                log.exception(
+                    "model=%s version=%s could not start a replacement worker",
+                    self.model, self.version,
+                )  # fmt: skip
+                return
+            self._metrics.worker_restarts.inc()
 
     def _expire(self, batch: Batch) -> None:
         error = DeadlineExceeded("the request waited past its deadline and was not run")

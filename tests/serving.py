@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,7 +26,8 @@ class ServerProcess:
     def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.store = store
         self.args = list(args)
-        self.env = env or {}
+        self.management_key = secrets.token_urlsafe(24)
+        self.env = {"SCRIPTSERVE_MANAGEMENT_KEY": self.management_key, **(env or {})}
         self.ports = tuple(free_port() for _ in range(5))
         self.url = f"http://127.0.0.1:{self.ports[0]}"
         self.mgmt = f"http://127.0.0.1:{self.ports[1]}"
@@ -34,6 +36,11 @@ class ServerProcess:
         self.grpc_mgmt = f"127.0.0.1:{self.ports[4]}"
         self.log = store.parent / f"server-{self.ports[0]}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def mgmt_headers(self) -> dict[str, str]:
+        """Headers that authorize a management call (REST; gRPC takes the same as metadata)."""
+        return {"Authorization": f"Bearer {self.management_key}"}
 
     def start(self, wait_ready: bool = True, timeout_s: float = 60.0) -> ServerProcess:
         cmd = [

@@ -129,6 +129,45 @@ def metadata_response(meta: ModelMetadata) -> oip.ModelMetadataResponse:
     )
 
 
+QUANTIZE_METADATA = "scriptserve-quantize"
+"""RegisterModel request metadata: `dynamic-int8` converts the model at load (TorchServe's
+RegisterModelRequest has no field for it)."""
+QUANTIZATION_METADATA = "scriptserve-quantization"
+"""ModelMetadata trailing metadata: `none` or `dynamic-int8`, plus `-<parameter>` entries."""
+
+
+def quantization_metadata(meta: ModelMetadata) -> tuple[tuple[str, str], ...]:
+    """`scriptserve-quantization: dynamic-int8` and one `scriptserve-quantization-*` per detail."""
+    items = [(QUANTIZATION_METADATA, str(meta.parameters.get("quantization", "none")))]
+    for key, value in meta.parameters.items():
+        if key.startswith("quantization_"):
+            name = key.removeprefix("quantization_").replace("_", "-")
+            items.append((f"{QUANTIZATION_METADATA}-{name}", str(value)))
+    return tuple(items)
+
+
+WORKER_MODE_METADATA = "scriptserve-worker-mode"
+"""RegisterModel request metadata: `thread` or `process` workers for the model."""
+
+
+def metadata_value(metadata: Any, key: str) -> str | None:
+    """The value of `key` in a call's metadata, if sent."""
+    for name, value in metadata or ():
+        if name == key:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def requested_quantize(metadata: Any) -> str | None:
+    """The `scriptserve-quantize` value of a call's metadata, if sent."""
+    return metadata_value(metadata, QUANTIZE_METADATA)
+
+
+def requested_worker_mode(metadata: Any) -> str | None:
+    """The `scriptserve-worker-mode` value of a call's metadata, if sent."""
+    return metadata_value(metadata, WORKER_MODE_METADATA)
+
+
 def predictions_request(model_input: dict[str, bytes]) -> InferenceRequest:
     """TorchServe's `input` map: fields by name; `data` (or `body`, or the only one) is the body."""
     if not model_input:

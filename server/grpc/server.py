@@ -16,11 +16,13 @@ from server.grpc._generated import inference_pb2, management_pb2, open_inference
 from server.grpc._generated import inference_pb2_grpc as ts_grpc
 from server.grpc._generated import management_pb2_grpc as mgmt_grpc
 from server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from server.grpc.auth import interceptors
 from server.grpc.servicers import (
     InferenceServicer,
     ManagementServicer,
     TorchServeInferenceServicer,
 )
+from server.security import AccessKeys
 from server.settings import ServerSettings
 
 _OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -31,14 +33,21 @@ _MGMT = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full
 class GrpcServers:
     """The two gRPC servers and their health services."""
 
-    def __init__(self, dataplane: DataPlane, settings: ServerSettings) -> None:
+    def __init__(
+        self, dataplane: DataPlane, settings: ServerSettings, keys: AccessKeys | None = None
+    ) -> None:
+        keys = keys or AccessKeys(None, None, enforced=False)
         options = [
             ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
             ("grpc.max_send_message_length", settings.grpc_max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.inference = grpc.aio.server(options=options)
-        self.management = grpc.aio.server(options=options)
+        self.inference = grpc.aio.server(
+            options=options, interceptors=interceptors(keys, "inference")
+        )
+        self.management = grpc.aio.server(
+            options=options, interceptors=interceptors(keys, "management")
+        )
         self._health: list[health.aio.HealthServicer] = []
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(dataplane), self.inference
@@ -86,6 +95,12 @@ class GrpcServers:
         """The startup models are loaded: the inference port's health turns SERVING."""
         for name in ["", *self._services[0]]:
             await self._health[0].set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def not_serving(self) -> None:
+        """Draining: every health status turns NOT_SERVING; calls are still answered."""
+        for checker, services in zip(self._health, self._services, strict=True):
+            for name in ["", *services]:
+                await checker.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
         for checker in self._health:

@@ -103,10 +103,11 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     @translated
     async def ModelMetadata(self, request: Any, context: Any) -> oip.ModelMetadataResponse:
         meta = self.dataplane.model_metadata(request.name, _version(request.version))
+        # Triton's ModelMetadataResponse has no parameters field: int8 or not goes in metadata.
+        context.set_trailing_metadata(converters.quantization_metadata(meta))
         return converters.metadata_response(meta)
 
-    @translated
-    async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
+    async def _infer(self, request: Any, context: Any) -> oip.ModelInferResponse:
         inference, requested = converters.infer_request(request)
         version = _version(request.model_version)
         response = await self.dataplane.infer(
@@ -116,6 +117,43 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         return converters.infer_response(
             request.model_name, resolved, request.id, response.outputs, requested
         )
+
+    @translated
+    async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
+        return await self._infer(request, context)
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Triton's bidirectional stream: every request runs as soon as it arrives (so requests
+        of one stream batch together), and each answer is written when it is ready, carrying
+        its request's `id`. A failed request is answered with `error_message`; the stream goes
+        on. Ending the call (client cancel, deadline) cancels the requests still running."""
+        writing = asyncio.Lock()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any) -> None:
+            try:
+                reply = oip.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, context)
+                )
+            except ServingError as exc:
+                reply = oip.ModelStreamInferResponse(error_message=exc.message)
+                reply.infer_response.model_name = request.model_name
+                reply.infer_response.id = request.id
+            async with writing:
+                await context.write(reply)
+
+        try:
+            async for request in requests:
+                task = asyncio.create_task(answer(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
 
 
 class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
@@ -194,6 +232,8 @@ class ManagementServicer(mgmt_grpc.ManagementAPIsServiceServicer):
             "max_batch_delay_ms": request.max_batch_delay or None,
             "workers": request.initial_workers or None,
             "response_timeout_s": request.response_timeout or None,
+            "quantize": converters.requested_quantize(context.invocation_metadata()),
+            "worker_mode": converters.requested_worker_mode(context.invocation_metadata()),
         }
         _, message = await self.dataplane.register(
             request.url, request.model_name or None, overrides, request.synchronous

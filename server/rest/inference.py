@@ -24,13 +24,34 @@ from server.settings import ServerSettings
 _JSON = "application/json"
 
 
-async def _predictions_request(request: Request) -> InferenceRequest:
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def client_timeout(request: Request) -> float | None:
+    """Seconds from `X-Request-Timeout`: it may shorten the server's deadline, never lengthen it."""
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds")
+    return seconds
+
+
+async def _predictions_request(request: Request, settings: ServerSettings) -> InferenceRequest:
     """TorchServe-style input: raw body (`curl -T`, JSON) or multipart fields by name."""
     content_type = request.headers.get("content-type", "")
     headers = request.headers
     if content_type.startswith("multipart/form-data"):
         fields: dict[str, bytes] = {}
-        form = await request.form()
+        form = await request.form(
+            max_files=settings.max_multipart_files,
+            max_fields=settings.max_multipart_fields,
+            max_part_size=settings.max_multipart_part_bytes,
+        )
         for key, value in form.multi_items():
             fields[key] = await value.read() if isinstance(value, UploadFile) else value.encode()
         if not fields:
@@ -58,20 +79,25 @@ class DirectRoute(APIRoute):
         self.app = starlette_request_response(endpoint)
 
 
+_PREDICT = ("POST", "PUT")
+
+
 def _direct_post(
-    app: FastAPI, path: str, tag: str, *params: str
+    app: FastAPI, path: str, tag: str, *params: str, methods: tuple[str, ...] = ("POST",)
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a POST endpoint as a DirectRoute whose path parameters are strings."""
 
     def register(endpoint: Callable[..., Any]) -> Callable[..., Any]:
-        app.router.add_api_route(
-            path,
-            endpoint,
-            methods=["POST"],
-            tags=[tag],
-            openapi_extra=_path_params(*params),
-            route_class_override=DirectRoute,
-        )
+        for method in methods:  # one route per method: each gets its own OpenAPI operation id
+            app.router.add_api_route(
+                path,
+                endpoint,
+                methods=[method],
+                tags=[tag],
+                openapi_extra=_path_params(*params),
+                route_class_override=DirectRoute,
+                operation_id=f"{endpoint.__name__}_{method.lower()}" if len(methods) > 1 else None,
+            )
         return endpoint
 
     return register
@@ -105,18 +131,27 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         )
 
     async def predict(request: Request, model_name: str, version: str | None) -> Response:
-        inference = await _predictions_request(request)
-        response = await dataplane.infer(model_name, version, inference, "rest")
+        inference = await _predictions_request(request, settings)
+        response = await dataplane.infer(
+            model_name, version, inference, "rest", client_timeout(request)
+        )
         payload, content_type = prediction_payload(response)
-        return Response(payload, media_type=content_type)
+        # A handler may pick a 2xx status and extra headers (TorchServe handlers do, via context).
+        return Response(
+            payload, response.status, headers=response.headers or None, media_type=content_type
+        )
 
     # The inference routes are DirectRoutes: they read their own path parameters and skip
     # FastAPI's per-call machinery; they are still described in the OpenAPI document.
-    @_direct_post(app, "/predictions/{model_name}", "TorchServe", "model_name")
+    # PUT as well as POST: TorchServe's `curl -T image.jpg .../predictions/NAME` sends a PUT.
+    @_direct_post(app, "/predictions/{model_name}", "TorchServe", "model_name", methods=_PREDICT)
     async def predictions(request: Request) -> Response:
         return await predict(request, request.path_params["model_name"], None)
 
-    @_direct_post(app, "/predictions/{model_name}/{version}", "TorchServe", "model_name", "version")
+    @_direct_post(
+        app, "/predictions/{model_name}/{version}", "TorchServe", "model_name", "version",
+        methods=_PREDICT,
+    )  # fmt: skip
     async def predictions_version(request: Request) -> Response:
         params = request.path_params
         return await predict(request, params["model_name"], params["version"])
@@ -137,13 +172,16 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
 
     def metadata(model_name: str, version: str | None) -> dict[str, Any]:
         meta = dataplane.model_metadata(model_name, version)
-        return {
+        body: dict[str, Any] = {
             "name": meta.name,
             "versions": meta.versions,
             "platform": meta.platform,
             "inputs": [t.to_dict() for t in meta.inputs],
             "outputs": [t.to_dict() for t in meta.outputs],
         }
+        if meta.parameters.get("quantization", "none") != "none":
+            body["parameters"] = meta.parameters  # fp32 answers keep the spec's exact shape
+        return body
 
     @app.get("/v2/models/{model_name}", tags=["OIP v2"])
     async def model_metadata(model_name: str) -> dict[str, Any]:
@@ -173,7 +211,9 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         )
         if decoded.id:
             inference.request_id = decoded.id
-        response = await dataplane.infer(model_name, version, inference, "rest")
+        response = await dataplane.infer(
+            model_name, version, inference, "rest", client_timeout(request)
+        )
         if not response.outputs:
             raise InvalidInput(
                 f"model {model_name!r} answers with a body, not tensors; call /predictions"

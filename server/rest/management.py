@@ -36,6 +36,10 @@ def create_management_app(dataplane: DataPlane, settings: ServerSettings) -> Fas
         initial_workers: int | None = Query(None, ge=1),
         response_timeout: float | None = Query(None, gt=0, description="seconds"),
         queue_size: int | None = Query(None, ge=1),
+        quantize: str | None = Query(None, description="dynamic-int8: convert at load"),
+        worker_mode: str | None = Query(
+            None, pattern="^(thread|process)$", description="thread or process workers"
+        ),
         synchronous: bool = True,
     ) -> Response:
         overrides: dict[str, Any] = {
@@ -44,6 +48,8 @@ def create_management_app(dataplane: DataPlane, settings: ServerSettings) -> Fas
             "workers": initial_workers,
             "response_timeout_s": response_timeout,
             "queue_size": queue_size,
+            "quantize": quantize,
+            "worker_mode": worker_mode,
         }
         done, message = await dataplane.register(url, model_name, overrides, synchronous)
         return _status(done, message)

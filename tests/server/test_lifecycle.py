@@ -77,7 +77,9 @@ class Lifecycle:
 
         def done(client: httpx.Client) -> bool:
             for name in ("bad", "broken", "gated", "tiny"):
-                r = client.get(f"{self.server.mgmt}/models/{name}")
+                r = client.get(
+                    f"{self.server.mgmt}/models/{name}", headers=self.server.mgmt_headers
+                )
                 if r.status_code != 200 or r.json()[0]["state"] not in ("READY", "FAILED"):
                     return False
             return True
@@ -128,7 +130,7 @@ def test_failed_models_leave_the_others_serving(lifecycle: Lifecycle) -> None:
     assert httpx.get(f"{server.url}/v2/models/tiny/ready").status_code == 200
 
     for name, why in (("bad", "not a model archive"), ("broken", "broken on purpose")):
-        (described,) = httpx.get(f"{server.mgmt}/models/{name}").json()
+        (described,) = httpx.get(f"{server.mgmt}/models/{name}", headers=server.mgmt_headers).json()
         assert described["state"] == "FAILED"
         assert why in described["reason"]
         r = predict(server, name, x)
@@ -166,10 +168,13 @@ def test_scaling_workers_under_load_loses_no_request(lifecycle: Lifecycle) -> No
                 await asyncio.sleep(0.001)
             r = await client.put(
                 f"{server.mgmt}/models/tiny",
+                headers=server.mgmt_headers,
                 params={"min_worker": workers, "synchronous": "true"},
             )
             assert r.status_code == 200, r.text
-            (described,) = (await client.get(f"{server.mgmt}/models/tiny")).json()
+            (described,) = (
+                await client.get(f"{server.mgmt}/models/tiny", headers=server.mgmt_headers)
+            ).json()
             workers_seen.append(len(described["workers"]))
 
     async def run() -> None:

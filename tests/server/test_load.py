@@ -149,6 +149,7 @@ def test_lone_request_is_not_delayed_without_a_batch_delay(server: ServerProcess
 def test_lone_request_waits_out_a_configured_batch_delay(server: ServerProcess) -> None:
     r = httpx.post(
         f"{server.mgmt}/models",
+        headers=server.mgmt_headers,
         params={
             "url": "slow.mar",
             "model_name": "slow_delayed",
@@ -159,7 +160,9 @@ def test_lone_request_waits_out_a_configured_batch_delay(server: ServerProcess) 
         timeout=60,
     )
     assert r.status_code == 200, r.text
-    (described,) = httpx.get(f"{server.mgmt}/models/slow_delayed").json()
+    (described,) = httpx.get(
+        f"{server.mgmt}/models/slow_delayed", headers=server.mgmt_headers
+    ).json()
     assert described["maxBatchDelay"] == 200
     # Queued for the whole delay (>= 0.2 s), as the server itself measured it.
     assert lone_request_queue_latency(server, "slow_delayed") == (1, 0, 0)

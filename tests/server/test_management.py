@@ -50,7 +50,7 @@ def predict(server: ServerProcess, route: str) -> np.ndarray:
 
 
 def describe(server: ServerProcess, route: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{server.mgmt}/models/{route}")
+    r = httpx.get(f"{server.mgmt}/models/{route}", headers=server.mgmt_headers)
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -75,7 +75,7 @@ def test_two_versions_coexist_and_the_default_switches(
         "url": "tiny_v2.mar", "batch_size": 4, "max_batch_delay": 5, "initial_workers": 1,
         "synchronous": "true",
     }  # fmt: skip
-    r = httpx.post(f"{server.mgmt}/models", params=params, timeout=60)
+    r = httpx.post(f"{server.mgmt}/models", headers=server.mgmt_headers, params=params, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json() == {"status": 'Model "tiny" Version: 2.0 registered with 1 initial workers'}
 
@@ -94,7 +94,7 @@ def test_two_versions_coexist_and_the_default_switches(
     np.testing.assert_allclose(predict(server, "tiny/1.0"), EXPECTED, atol=1e-5)
     np.testing.assert_allclose(predict(server, "tiny/2.0"), 2 * EXPECTED, atol=1e-5)
 
-    r = httpx.put(f"{server.mgmt}/models/tiny/2.0/set-default")
+    r = httpx.put(f"{server.mgmt}/models/tiny/2.0/set-default", headers=server.mgmt_headers)
     assert r.status_code == 200, r.text
     assert "2.0" in r.json()["status"]
     np.testing.assert_allclose(predict(server, "tiny"), 2 * EXPECTED, atol=1e-5)
@@ -104,11 +104,22 @@ def test_two_versions_coexist_and_the_default_switches(
     assert [d["modelVersion"] for d in describe(server, "tiny")] == ["2.0"]
 
     # The default version cannot go while another remains.
-    assert_error(httpx.delete(f"{server.mgmt}/models/tiny/2.0"), 409, "default")
-    assert_error(httpx.put(f"{server.mgmt}/models/tiny/9.9/set-default"), 404, "'9.9'")
+    assert_error(
+        httpx.delete(f"{server.mgmt}/models/tiny/2.0", headers=server.mgmt_headers), 409, "default"
+    )
+    assert_error(
+        httpx.put(f"{server.mgmt}/models/tiny/9.9/set-default", headers=server.mgmt_headers),
+        404,
+        "'9.9'",
+    )
 
-    assert httpx.put(f"{server.mgmt}/models/tiny/1.0/set-default").status_code == 200
-    r = httpx.delete(f"{server.mgmt}/models/tiny/2.0", timeout=60)
+    assert (
+        httpx.put(
+            f"{server.mgmt}/models/tiny/1.0/set-default", headers=server.mgmt_headers
+        ).status_code
+        == 200
+    )
+    r = httpx.delete(f"{server.mgmt}/models/tiny/2.0", headers=server.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json() == {"status": 'Model "tiny" version 2.0 unregistered'}
     assert [d["modelVersion"] for d in describe(server, "tiny/all")] == ["1.0"]
@@ -119,7 +130,7 @@ def test_two_versions_coexist_and_the_default_switches(
 def test_asynchronous_registration(server: ServerProcess) -> None:
     shutil.copy(server.store / "tiny.mar", server.store / "tiny_copy.mar")
     params = {"url": "tiny_copy.mar", "model_name": "tiny_async", "synchronous": "false"}
-    r = httpx.post(f"{server.mgmt}/models", params=params)
+    r = httpx.post(f"{server.mgmt}/models", headers=server.mgmt_headers, params=params)
     assert r.status_code == 202, r.text
     assert r.json() == {"status": "Processing worker updates..."}
     server.wait(lambda c: c.get(f"{server.url}/v2/models/tiny_async/ready").status_code == 200, 30)
@@ -129,55 +140,98 @@ def test_asynchronous_registration(server: ServerProcess) -> None:
         "tiny_async", "tiny_copy.mar", "READY",
     )  # fmt: skip
     assert desc["loadedAtStartup"] is False
-    r = httpx.delete(f"{server.mgmt}/models/tiny_async", timeout=60)
+    r = httpx.delete(f"{server.mgmt}/models/tiny_async", headers=server.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
-    assert_error(httpx.get(f"{server.mgmt}/models/tiny_async"), 404, "'tiny_async'")
+    assert_error(
+        httpx.get(f"{server.mgmt}/models/tiny_async", headers=server.mgmt_headers),
+        404,
+        "'tiny_async'",
+    )
 
 
 def test_register_errors(server: ServerProcess) -> None:
     register = f"{server.mgmt}/models"
-    assert_error(httpx.post(register, params={"url": "tiny.mar"}), 409, "'tiny'", "'1.0'")
-    assert_error(httpx.post(register, params={"url": "nope.mar"}), 404, "'nope.mar'")
+    assert_error(
+        httpx.post(register, headers=server.mgmt_headers, params={"url": "tiny.mar"}),
+        409,
+        "'tiny'",
+        "'1.0'",
+    )
+    assert_error(
+        httpx.post(register, headers=server.mgmt_headers, params={"url": "nope.mar"}),
+        404,
+        "'nope.mar'",
+    )
     for url in ("../x.mar", "/etc/passwd", "sub/tiny.mar", "..", ""):
-        assert_error(httpx.post(register, params={"url": url}), 400, "model store")
-    r = httpx.post(register, params={"url": "tiny.mar", "model_name": "t2", "batch_size": 0})
+        assert_error(
+            httpx.post(register, headers=server.mgmt_headers, params={"url": url}),
+            400,
+            "model store",
+        )
+    r = httpx.post(
+        register,
+        headers=server.mgmt_headers,
+        params={"url": "tiny.mar", "model_name": "t2", "batch_size": 0},
+    )
     assert_error(r, 400, "batch_size")
-    r = httpx.post(register, params={"url": "tiny.mar", "model_name": "bad name"})
+    r = httpx.post(
+        register, headers=server.mgmt_headers, params={"url": "tiny.mar", "model_name": "bad name"}
+    )
     assert_error(r, 400, "'bad name'")
-    assert_error(httpx.post(register), 400, "url")
+    assert_error(httpx.post(register, headers=server.mgmt_headers), 400, "url")
     # None of these left a model behind.
-    names = [m["modelName"] for m in httpx.get(register).json()["models"]]
+    names = [
+        m["modelName"] for m in httpx.get(register, headers=server.mgmt_headers).json()["models"]
+    ]
     assert names == ["tiny", "tiny_onnx"]
 
 
 def test_a_failed_registration_leaves_nothing_behind(server: ServerProcess) -> None:
     (server.store / "broken.mar").write_bytes(b"not an archive")
-    r = httpx.post(f"{server.mgmt}/models", params={"url": "broken.mar"})
+    r = httpx.post(
+        f"{server.mgmt}/models", headers=server.mgmt_headers, params={"url": "broken.mar"}
+    )
     # The archive is the client's mistake: 400 with the reason, not a retryable 503.
     assert_error(r, 400, "'broken'", "not a model archive")
     # One bad upload must not take the replica out of service, nor linger in the model list.
     assert httpx.get(f"{server.url}/ping").json() == {"status": "Healthy"}
     assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
-    assert_error(httpx.get(f"{server.mgmt}/models/broken"), 404, "'broken'")
-    names = [m["modelName"] for m in httpx.get(f"{server.mgmt}/models").json()["models"]]
+    assert_error(
+        httpx.get(f"{server.mgmt}/models/broken", headers=server.mgmt_headers), 404, "'broken'"
+    )
+    names = [
+        m["modelName"]
+        for m in httpx.get(f"{server.mgmt}/models", headers=server.mgmt_headers).json()["models"]
+    ]
     assert names == ["tiny", "tiny_onnx"]
 
 
 def test_unknown_model(server: ServerProcess) -> None:
     m = server.mgmt
-    assert_error(httpx.get(f"{m}/models/nope"), 404, "'nope'")
-    assert_error(httpx.get(f"{m}/models/nope/all"), 404, "'nope'")
-    assert_error(httpx.get(f"{m}/models/tiny/9.9"), 404, "'9.9'")
-    assert_error(httpx.put(f"{m}/models/nope", params={"min_worker": 1}), 404, "'nope'")
-    assert_error(httpx.put(f"{m}/models/nope/1.0/set-default"), 404, "'nope'")
-    assert_error(httpx.delete(f"{m}/models/nope"), 404, "'nope'")
-    assert_error(httpx.delete(f"{m}/models/tiny/9.9"), 404, "'9.9'")
+    assert_error(httpx.get(f"{m}/models/nope", headers=server.mgmt_headers), 404, "'nope'")
+    assert_error(httpx.get(f"{m}/models/nope/all", headers=server.mgmt_headers), 404, "'nope'")
+    assert_error(httpx.get(f"{m}/models/tiny/9.9", headers=server.mgmt_headers), 404, "'9.9'")
+    assert_error(
+        httpx.put(f"{m}/models/nope", headers=server.mgmt_headers, params={"min_worker": 1}),
+        404,
+        "'nope'",
+    )
+    assert_error(
+        httpx.put(f"{m}/models/nope/1.0/set-default", headers=server.mgmt_headers), 404, "'nope'"
+    )
+    assert_error(httpx.delete(f"{m}/models/nope", headers=server.mgmt_headers), 404, "'nope'")
+    assert_error(httpx.delete(f"{m}/models/tiny/9.9", headers=server.mgmt_headers), 404, "'9.9'")
 
 
 def test_scale_up_and_down(server: ServerProcess) -> None:
     url = f"{server.mgmt}/models/tiny_onnx"
     try:
-        r = httpx.put(url, params={"min_worker": 3, "synchronous": "true"}, timeout=60)
+        r = httpx.put(
+            url,
+            headers=server.mgmt_headers,
+            params={"min_worker": 3, "synchronous": "true"},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         assert "3" in r.json()["status"]
         (desc,) = describe(server, "tiny_onnx")
@@ -186,19 +240,33 @@ def test_scale_up_and_down(server: ServerProcess) -> None:
         assert len({w["id"] for w in desc["workers"]}) == 3
         np.testing.assert_allclose(predict(server, "tiny_onnx"), EXPECTED, atol=1e-5)
 
-        r = httpx.put(url + "/1.0", params={"min_worker": 1, "synchronous": "true"}, timeout=60)
+        r = httpx.put(
+            url + "/1.0",
+            headers=server.mgmt_headers,
+            params={"min_worker": 1, "synchronous": "true"},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         (desc,) = describe(server, "tiny_onnx")
         assert (desc["minWorkers"], len(desc["workers"])) == (1, 1)
         np.testing.assert_allclose(predict(server, "tiny_onnx"), EXPECTED, atol=1e-5)
 
         # Asynchronous scaling answers 202 and gets there.
-        r = httpx.put(url, params={"min_worker": 2})
+        r = httpx.put(url, headers=server.mgmt_headers, params={"min_worker": 2})
         assert r.status_code == 202, r.text
-        server.wait(lambda c: len(c.get(url).json()[0]["workers"]) == 2, 30)
+        server.wait(
+            lambda c: len(c.get(url, headers=server.mgmt_headers).json()[0]["workers"]) == 2, 30
+        )
     finally:
-        httpx.put(url, params={"min_worker": 2, "synchronous": "true"}, timeout=60)
-    assert_error(httpx.put(url, params={"min_worker": -1}), 400, "min_worker")
+        httpx.put(
+            url,
+            headers=server.mgmt_headers,
+            params={"min_worker": 2, "synchronous": "true"},
+            timeout=60,
+        )
+    assert_error(
+        httpx.put(url, headers=server.mgmt_headers, params={"min_worker": -1}), 400, "min_worker"
+    )
 
 
 def test_describe(server: ServerProcess) -> None:
@@ -208,7 +276,11 @@ def test_describe(server: ServerProcess) -> None:
     )  # fmt: skip
     assert (desc["modelFormat"], desc["state"], desc["isDefault"]) == ("torchscript", "READY", True)
     assert (desc["batchSize"], desc["maxBatchDelay"], desc["loadedAtStartup"]) == (32, 0.0, True)
-    assert desc["jobQueueStatus"] == {"remainingCapacity": 1000, "pendingRequests": 0}
+    assert desc["jobQueueStatus"] == {
+        "remainingCapacity": 1000,
+        "pendingRequests": 0,
+        "inFlightRequests": 0,
+    }
     assert len(desc["workers"]) == 2
     for worker in desc["workers"]:
         assert worker["status"] in {"READY", "BUSY"}
@@ -218,20 +290,30 @@ def test_describe(server: ServerProcess) -> None:
 
 def test_list_with_pagination(server: ServerProcess) -> None:
     url = f"{server.mgmt}/models"
-    first = httpx.get(url, params={"limit": 1}).json()
+    first = httpx.get(url, headers=server.mgmt_headers, params={"limit": 1}).json()
     assert first["models"] == [{"modelName": "tiny", "modelUrl": "tiny.mar"}]
     assert first["nextPageToken"] == "1"
-    second = httpx.get(url, params={"limit": 1, "next_page_token": first["nextPageToken"]}).json()
+    second = httpx.get(
+        url,
+        headers=server.mgmt_headers,
+        params={"limit": 1, "next_page_token": first["nextPageToken"]},
+    ).json()
     assert second == {"models": [{"modelName": "tiny_onnx", "modelUrl": "tiny_onnx.mar"}]}
-    everything = httpx.get(url).json()
+    everything = httpx.get(url, headers=server.mgmt_headers).json()
     assert everything == {"models": first["models"] + second["models"]}
     for limit in (0, 1001, -1):
-        assert_error(httpx.get(url, params={"limit": limit}), 400, "limit")
-    assert_error(httpx.get(url, params={"next_page_token": "x"}), 400, "next_page_token")
+        assert_error(
+            httpx.get(url, headers=server.mgmt_headers, params={"limit": limit}), 400, "limit"
+        )
+    assert_error(
+        httpx.get(url, headers=server.mgmt_headers, params={"next_page_token": "x"}),
+        400,
+        "next_page_token",
+    )
 
 
 def test_openapi(server: ServerProcess) -> None:
-    paths = httpx.get(f"{server.mgmt}/openapi.json").json()["paths"]
+    paths = httpx.get(f"{server.mgmt}/openapi.json", headers=server.mgmt_headers).json()["paths"]
     assert {"/models", "/models/{model_name}", "/models/{model_name}/{version}/set-default"} <= set(
         paths
     )
@@ -248,13 +330,23 @@ def locked_server(model_store: Path) -> Iterator[ServerProcess]:
 
 def test_model_api_disabled(locked_server: ServerProcess) -> None:
     m = locked_server.mgmt
-    r = httpx.post(f"{m}/models", params={"url": "tiny_onnx.mar"})
+    r = httpx.post(
+        f"{m}/models", headers=locked_server.mgmt_headers, params={"url": "tiny_onnx.mar"}
+    )
     assert_error(r, 405, "--enable-model-api")
-    assert_error(httpx.delete(f"{m}/models/tiny/1.0"), 405, "--enable-model-api")
-    assert_error(httpx.delete(f"{m}/models/tiny"), 405, "--enable-model-api")
+    assert_error(
+        httpx.delete(f"{m}/models/tiny/1.0", headers=locked_server.mgmt_headers),
+        405,
+        "--enable-model-api",
+    )
+    assert_error(
+        httpx.delete(f"{m}/models/tiny", headers=locked_server.mgmt_headers),
+        405,
+        "--enable-model-api",
+    )
     # Reading and scaling stay available, and the model is still served.
     assert [d["modelName"] for d in describe(locked_server, "tiny")] == ["tiny"]
-    assert httpx.get(f"{m}/models").json()["models"] == [
+    assert httpx.get(f"{m}/models", headers=locked_server.mgmt_headers).json()["models"] == [
         {"modelName": "tiny", "modelUrl": "tiny.mar"}
     ]
     np.testing.assert_allclose(predict(locked_server, "tiny"), EXPECTED, atol=1e-5)

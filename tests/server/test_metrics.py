@@ -122,10 +122,20 @@ def test_queue_depth_and_workers_by_state(server: ServerProcess) -> None:
 def test_workers_gauge_follows_scaling(server: ServerProcess) -> None:
     url = f"{server.mgmt}/models/tiny"
     try:
-        r = httpx.put(url, params={"min_worker": 3, "synchronous": "true"}, timeout=60)
+        r = httpx.put(
+            url,
+            headers=server.mgmt_headers,
+            params={"min_worker": 3, "synchronous": "true"},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         scrape = Scrape(server)
         assert scrape.value("scriptserve_workers", model="tiny", version="1.0") == 3
     finally:
-        httpx.put(url, params={"min_worker": 2, "synchronous": "true"}, timeout=60)
+        httpx.put(
+            url,
+            headers=server.mgmt_headers,
+            params={"min_worker": 2, "synchronous": "true"},
+            timeout=60,
+        )
     assert Scrape(server).value("scriptserve_workers", model="tiny", version="1.0") == 2

@@ -132,12 +132,14 @@ def test_default_workers_follow_cores_and_gpus() -> None:
 def test_archive_config_overrides_the_server_and_registration_overrides_both() -> None:
     archive = {
         "batchSize": 8, "maxBatchDelay": 50, "minWorkers": 3, "responseTimeout": 10,
-        "jobQueueSize": 7, "maxWorkers": 9, "deviceType": "cpu",  # other keys are ignored
+        "jobQueueSize": 7, "maxWorkers": 9, "deviceType": "cpu",
+        "startupTimeout": 5,  # other keys are ignored
     }  # fmt: skip
     m = ModelSettings.resolve(server_settings(), archive)
     assert m == ModelSettings(
-        batch_size=8, max_batch_delay_ms=50.0, workers=3, response_timeout_s=10.0, queue_size=7
-    )
+        batch_size=8, max_batch_delay_ms=50.0, workers=3, response_timeout_s=10.0, queue_size=7,
+        max_workers=9, device_type="cpu",
+    )  # fmt: skip
     m = ModelSettings.resolve(
         server_settings(), archive, {"batch_size": 4, "workers": None, "queue_size": 99}
     )
@@ -205,3 +207,15 @@ def test_config_file_can_come_from_the_environment(
     other = tmp_path / "other.yaml"
     other.write_text("queue_size: 5\n")
     assert load_settings(other).queue_size == 5
+
+
+def test_device_type_and_ids_choose_the_workers_devices() -> None:
+    available = ["cuda:0", "cuda:1", "cuda:2"]
+    cpu = ModelSettings.resolve(server_settings(), {"deviceType": "cpu"}, gpus=3)
+    assert cpu.devices(available) == ["cpu"]
+    gpu = ModelSettings.resolve(server_settings(), {"deviceType": "gpu", "deviceIds": [0, 2]})
+    assert (gpu.devices(available), gpu.workers) == (["cuda:0", "cuda:2"], 2)
+    with pytest.raises(ValueError, match="no such GPU is visible"):
+        gpu.devices(["cpu"])
+    with pytest.raises(ValueError, match=r"maxWorkers \(1\) must be at least minWorkers \(2\)"):
+        ModelSettings.resolve(server_settings(), {"minWorkers": 2, "maxWorkers": 1})

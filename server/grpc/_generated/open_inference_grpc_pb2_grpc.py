@@ -64,6 +64,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -105,6 +110,14 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Triton's extension (grpc_service.proto): many requests on one call, each answered by one
+        message carrying its `id`; an error fails only its own request, the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +150,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
                     response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
+                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +319,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
             server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
+            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,9 +8,7 @@ in the default descriptor pool, and the same message names twice would collide.
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tsprotos
 from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
 from testmodels import save_torchscript
@@ -44,47 +43,10 @@ class SlowHandler(TensorHandler):
 """
 
 
-def proto_include_paths() -> list[Path]:
-    """grpc_tools' well-known types and googleapis-common-protos (google/rpc/status.proto)."""
-    import google.rpc
-    import grpc_tools
-
-    common = Path(next(iter(google.rpc.__path__))).parent.parent
-    return [Path(grpc_tools.__file__).parent / "_proto", common]
-
-
 @pytest.fixture(scope="session")
-def torchserve_stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    """`inference_pb2[_grpc]` and `management_pb2[_grpc]` compiled with grpc_tools.protoc from
-    server/grpc/proto/, as TorchServe's docs compile its own protos."""
-    from grpc_tools import protoc
-
-    out = tmp_path_factory.mktemp("torchserve_client")
-    args = [
-        "protoc",
-        f"-I{PROTO_DIR}",
-        *(f"-I{p}" for p in proto_include_paths()),
-        f"--python_out={out}",
-        f"--grpc_python_out={out}",
-        "inference.proto",
-        "management.proto",
-    ]
-    assert protoc.main(args) == 0
-    names = ["inference_pb2", "inference_pb2_grpc", "management_pb2", "management_pb2_grpc"]
-    assert not any(name in sys.modules for name in names)
-    sys.path.insert(0, str(out))
-    try:
-        modules = {name: importlib.import_module(name) for name in names}
-    finally:
-        sys.path.remove(str(out))
-    yield SimpleNamespace(
-        ts=modules["inference_pb2"],
-        ts_grpc=modules["inference_pb2_grpc"],
-        mgmt=modules["management_pb2"],
-        mgmt_grpc=modules["management_pb2_grpc"],
-    )
-    for name in names:
-        sys.modules.pop(name, None)
+def torchserve_stubs() -> SimpleNamespace:
+    """TorchServe's client modules compiled from server/grpc/proto/ (tests/tsprotos.py)."""
+    return tsprotos.torchserve_stubs()
 
 
 def build_archive(
@@ -135,6 +97,6 @@ def metric(server: ServerProcess, name: str, **labels: str) -> float:
 
 def pending_requests(server: ServerProcess, model: str) -> int:
     """`jobQueueStatus.pendingRequests` of the model's default version (REST describe)."""
-    r = httpx.get(f"{server.mgmt}/models/{model}")
+    r = httpx.get(f"{server.mgmt}/models/{model}", headers=server.mgmt_headers)
     assert r.status_code == 200, r.text
     return int(r.json()[0]["jobQueueStatus"]["pendingRequests"])

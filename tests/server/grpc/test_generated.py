@@ -170,12 +170,20 @@ def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:
     assert oip.package == OIP
     assert list(oip.services_by_name) == ["GRPCInferenceService"]
     service = pool.FindServiceByName(f"{OIP}.GRPCInferenceService")
-    assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
-        name: (f"{name}Request", f"{name}Response")
-        for name in (
-            "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-            "ModelInfer",
-        )
+    shapes = {
+        m.name: (m.input_type.name, m.output_type.name, m.client_streaming, m.server_streaming)
+        for m in service.methods
+    }
+    assert shapes == {
+        **{
+            name: (f"{name}Request", f"{name}Response", False, False)
+            for name in (
+                "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+                "ModelInfer",
+            )
+        },
+        # Triton's bidirectional extension.
+        "ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse", True, True),
     }  # fmt: skip
 
     ts = file_of(pool, "inference")
@@ -273,7 +281,13 @@ def test_oip_messages_match_tritons_on_the_wire(pool: descriptor_pool.Descriptor
         assert _wire(message) == _wire(triton_pb2.DESCRIPTOR.message_types_by_name[name]), name
     triton = triton_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
     for method in ours.services_by_name["GRPCInferenceService"].methods:
-        assert method.full_name == triton[method.name].full_name
+        theirs = triton[method.name]
+        assert method.full_name == theirs.full_name
+        assert (method.client_streaming, method.server_streaming) == (
+            theirs.client_streaming, theirs.server_streaming,
+        )  # fmt: skip
+        assert method.input_type.name == theirs.input_type.name
+        assert method.output_type.name == theirs.output_type.name
 
 
 def test_torchserve_field_numbers(pool: descriptor_pool.DescriptorPool) -> None:

@@ -273,7 +273,7 @@ async def _start_and_cancel(server: ServerProcess) -> list[grpc.StatusCode]:
         deadline = time.monotonic() + 20
         async with httpx.AsyncClient(timeout=5) as http:
             while True:
-                r = await http.get(f"{server.mgmt}/models/slow")
+                r = await http.get(f"{server.mgmt}/models/slow", headers=server.mgmt_headers)
                 if r.json()[0]["jobQueueStatus"]["pendingRequests"] >= CANCELLED_CALLS // 2:
                     break
                 assert time.monotonic() < deadline, "the calls never queued up"

@@ -258,10 +258,14 @@ def test_health_check_of_an_unknown_service(server: ServerProcess) -> None:
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def reflect(target: str, request: reflection_pb2.ServerReflectionRequest) -> Any:
+def reflect(
+    target: str, request: reflection_pb2.ServerReflectionRequest, key: str | None = None
+) -> Any:
+    metadata = [("authorization", f"Bearer {key}")] if key else None
     with grpc.insecure_channel(target) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        (response,) = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+        calls = stub.ServerReflectionInfo(iter([request]), timeout=5, metadata=metadata)
+        (response,) = list(calls)
     return response
 
 
@@ -275,8 +279,10 @@ def reflect(target: str, request: reflection_pb2.ServerReflectionRequest) -> Any
 def test_reflection_lists_the_services(
     server: ServerProcess, port: str, services: set[str]
 ) -> None:
+    # The management port checks its key on every method but health, reflection included.
+    key = server.management_key if port == "grpc_mgmt" else None
     response = reflect(
-        getattr(server, port), reflection_pb2.ServerReflectionRequest(list_services="")
+        getattr(server, port), reflection_pb2.ServerReflectionRequest(list_services=""), key
     )
     assert {s.name for s in response.list_services_response.service} == services
 
@@ -292,6 +298,7 @@ def test_reflection_describes_the_oip_service(server: ServerProcess) -> None:
     assert oip.package == "inference"
     assert [m.name for m in oip.service[0].method] == [
         "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+        "ModelStreamInfer",
     ]  # fmt: skip
 
 

@@ -27,10 +27,22 @@ def inference(server: ServerProcess, torchserve_stubs: SimpleNamespace) -> Itera
         yield torchserve_stubs.ts_grpc.InferenceAPIsServiceStub(channel)
 
 
+class ManagementKey(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Send the management key as `authorization` metadata on every call."""
+
+    def __init__(self, key: str) -> None:
+        self.metadata = ("authorization", f"Bearer {key}")
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        details = details._replace(metadata=[*(details.metadata or []), self.metadata])
+        return continuation(details, request)
+
+
 @pytest.fixture(scope="module")
 def management(server: ServerProcess, torchserve_stubs: SimpleNamespace) -> Iterator[Any]:
     with grpc.insecure_channel(server.grpc_mgmt) as channel:
-        yield torchserve_stubs.mgmt_grpc.ManagementAPIsServiceStub(channel)
+        keyed = grpc.intercept_channel(channel, ManagementKey(server.management_key))
+        yield torchserve_stubs.mgmt_grpc.ManagementAPIsServiceStub(keyed)
 
 
 def request(ts: SimpleNamespace, model: str, row: np.ndarray, **fields: Any) -> Any:
@@ -135,7 +147,7 @@ def test_list_models(
 ) -> None:
     mgmt = torchserve_stubs.mgmt
     listing = msg(management.ListModels(mgmt.ListModelsRequest(), timeout=10))
-    assert listing == httpx.get(f"{server.mgmt}/models").json()
+    assert listing == httpx.get(f"{server.mgmt}/models", headers=server.mgmt_headers).json()
     assert listing == {
         "models": [
             {"modelName": "tiny", "modelUrl": "tiny.mar"},
@@ -156,7 +168,7 @@ def test_describe_model(
 ) -> None:
     mgmt = torchserve_stubs.mgmt
     (described,) = msg(management.DescribeModel(mgmt.DescribeModelRequest(model_name="tiny")))
-    (rest,) = httpx.get(f"{server.mgmt}/models/tiny").json()
+    (rest,) = httpx.get(f"{server.mgmt}/models/tiny", headers=server.mgmt_headers).json()
     assert described.keys() == rest.keys()
     for key in ("modelName", "modelVersion", "modelUrl", "minWorkers", "batchSize", "isDefault"):
         assert described[key] == rest[key], key

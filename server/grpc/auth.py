@@ -1,0 +1,80 @@
+"""KeyInterceptor: the gRPC side of the access keys (metadata `authorization: Bearer <key>`).
+
+Health checks pass without a key (probes carry none, and they reveal only SERVING or not);
+every other method, reflection included, needs the API's key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from server.errors import ServingError
+from server.security import AccessKeys, Api
+
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def _code(error: ServingError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.grpc_code, grpc.StatusCode.INTERNAL)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, error: ServingError) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call with `error`."""
+    code, message = _code(error), error.message
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    key = (bool(handler.request_streaming), bool(handler.response_streaming))
+    make = kinds[key]
+    return make(
+        streaming if key[1] else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class KeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuse calls without `api`'s key: UNAUTHENTICATED, or PERMISSION_DENIED for the other
+    API's key."""
+
+    def __init__(self, keys: AccessKeys, api: Api) -> None:
+        self.keys = keys
+        self.api = api
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if method.startswith(OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        authorization = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                authorization = value if isinstance(value, str) else value.decode("latin-1")
+                break
+        error = self.keys.check(self.api, authorization)
+        handler = await continuation(handler_call_details)
+        if error is None or handler is None:
+            return handler
+        return _refusal(handler, error)
+
+
+def interceptors(keys: AccessKeys, api: Api) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors a server for `api` needs: none when the API checks no key."""
+    return [KeyInterceptor(keys, api)] if keys.required(api) else []

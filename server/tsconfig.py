@@ -1,0 +1,181 @@
+"""Read a TorchServe `config.properties` into scriptserve settings.
+
+`scriptserve serve --ts-config config.properties` ranks it like a settings file: the YAML file,
+`SCRIPTSERVE_*` variables and the command line override it. Keys with a scriptserve equivalent
+are mapped (`MAPPED`); every other key is reported once at start as ignored.
+
+    read_ts_config(Path("config.properties")).settings
+    # {"inference_address": "127.0.0.1:8080", "models": ["squeezenet.mar"], ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+log = logging.getLogger("scriptserve.tsconfig")
+
+
+class TsConfigError(ValueError):
+    """A config.properties value that cannot be used; the message names the key."""
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """Java `.properties`: `key=value` or `key: value`, `#`/`!` comments, `\\` continuations."""
+    props: dict[str, str] = {}
+    logical: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip() if not logical else raw.lstrip()
+        if not logical and (not line or line[0] in "#!"):
+            continue
+        trailing = len(line) - len(line.rstrip("\\"))
+        if trailing % 2 == 1:
+            logical.append(line[:-1])
+            continue
+        logical.append(line)
+        entry, logical = "".join(logical), []
+        match = re.match(r"((?:\\.|[^=:\s])+)\s*[=:\s]\s*(.*)$", entry)
+        if match is None:
+            props[entry.strip()] = ""
+            continue
+        key, value = match.group(1), match.group(2)
+        props[key.replace("\\", "")] = value.replace("\\:", ":").replace("\\=", "=").strip()
+    if logical:
+        props.setdefault("".join(logical).strip(), "")
+    return props
+
+
+def _address(key: str, value: str) -> str:
+    """TorchServe's `http(s)://host:port` -> `host:port`."""
+    parts = urlsplit(value if "://" in value else f"http://{value}")
+    if parts.scheme == "https":
+        raise TsConfigError(
+            f"{key}={value}: scriptserve serves plain HTTP; terminate TLS in front of it "
+            "(an ingress or a proxy) and use http://"
+        )
+    if parts.scheme not in ("http", "") or not parts.hostname:
+        raise TsConfigError(f"{key}={value}: expected http://HOST:PORT")
+    try:
+        port = parts.port
+    except ValueError:
+        raise TsConfigError(f"{key}={value}: the port must be a number") from None
+    if port is None:
+        raise TsConfigError(f"{key}={value}: the address needs a port, e.g. http://HOST:8080")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+def _bool(key: str, value: str) -> bool:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise TsConfigError(f"{key}={value}: expected true or false")
+
+
+def _int(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise TsConfigError(f"{key}={value}: expected a whole number") from None
+
+
+def _list(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _models(key: str, value: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """`models={"name": {"1.0": {"batchSize": 8, ...}}}` as model name -> version -> keys."""
+    try:
+        data = json.loads(value)
+    except ValueError as exc:
+        raise TsConfigError(f"{key}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(v, dict) and all(isinstance(c, dict) for c in v.values()) for v in data.values()
+    ):
+        raise TsConfigError(
+            f'{key}: expected {{"model": {{"version": {{"batchSize": 8, ...}}}}}} (JSON)'
+        )
+    return data
+
+
+@dataclass
+class TsConfig:
+    """What a config.properties says, as scriptserve settings, and the keys left unused."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+
+# key -> (setting, convert(key, value))
+MAPPED: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "inference_address": ("inference_address", _address),
+    "management_address": ("management_address", _address),
+    "metrics_address": ("metrics_address", _address),
+    "model_store": ("model_store", lambda _k, v: Path(v)),
+    "load_models": ("models", lambda _k, v: _list(v)),
+    "models": ("model_defaults", _models),
+    "default_workers_per_model": ("workers_per_model", _int),
+    "job_queue_size": ("queue_size", _int),
+    "default_response_timeout": ("response_timeout_s", _int),
+    "allowed_urls": ("allowed_urls", lambda _k, v: _list(v)),
+    "max_request_size": ("max_request_bytes", _int),
+    "enable_model_api": ("enable_model_api", _bool),
+    "disable_token_authorization": ("insecure_no_auth", _bool),
+}
+_GRPC = {
+    "inference": ("grpc_inference_address", "grpc_inference_port", "7070"),
+    "management": ("grpc_management_address", "grpc_management_port", "7071"),
+}
+
+
+def convert(props: dict[str, str]) -> TsConfig:
+    config = TsConfig()
+    for key, value in props.items():
+        if key in MAPPED:
+            setting, parse = MAPPED[key]
+            config.settings[setting] = parse(key, value)
+        elif not any(key in (address, port) for address, port, _ in _GRPC.values()):
+            config.ignored.append(key)
+    for address_key, port_key, default_port in _GRPC.values():
+        if address_key not in props and port_key not in props:
+            continue
+        host = props.get(address_key, "127.0.0.1").strip("[]")
+        port = str(_int(port_key, props.get(port_key, default_port)))
+        host = f"[{host}]" if ":" in host else host
+        config.settings[address_key] = f"{host}:{port}"
+    if "load_models" not in props:
+        # TorchServe loads nothing unless told to; `--models` on the command line still wins.
+        config.settings["models"] = []
+    return config
+
+
+def read_ts_config(path: Path) -> TsConfig:
+    """Parse and map the file; raises TsConfigError naming the key at fault."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TsConfigError(f"TorchServe config {path}: {exc.strerror}") from None
+    try:
+        return convert(parse_properties(text))
+    except TsConfigError as exc:
+        raise TsConfigError(f"TorchServe config {path}: {exc}") from None
+
+
+def report_ts_config(path: Path) -> None:
+    """Log, on one line, which keys of the file were mapped and which are ignored."""
+    config = read_ts_config(path)
+    log.info(
+        "TorchServe config %s: using %s; ignoring %s",
+        path, ", ".join(sorted(config.settings)) or "nothing",
+        ", ".join(sorted(config.ignored)) or "no keys",
+    )  # fmt: skip
+    if config.settings.get("insecure_no_auth"):
+        log.warning(
+            "TorchServe config %s: disable_token_authorization=true turns off every token check",
+            path,
+        )

@@ -1,0 +1,146 @@
+"""A worker that keeps dying is restarted with growing back-off, then the model is marked FAILED
+(no restart loop); so is a thread-mode model with too many stuck threads. SIGTERM ends process
+workers with the server, leaving no orphan."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+from chaos.chaoskit import (
+    KILL,
+    SLEEP,
+    build_archive,
+    describe,
+    infer,
+    metric,
+    models_dir,
+    output,
+    poll,
+    row,
+    status,
+    worker_pids,
+)
+from serving import ServerProcess
+from testmodels import reference_output
+
+BACKOFF_S = 0.3
+MAX_RESTARTS = 3
+
+
+def test_repeated_worker_failures_back_off_then_mark_only_that_model_failed(
+    tmp_path: Path,
+) -> None:
+    store, work = tmp_path / "store", tmp_path / "src"
+    ts, _ = models_dir(tmp_path)
+    start_log, crash_flag = tmp_path / "starts.log", tmp_path / "crash.flag"
+    config = {"workerMode": "process", "minWorkers": 1, "startLog": str(start_log),
+              "crashFlag": str(crash_flag)}  # fmt: skip
+    build_archive(store, work, "crashy", ts, config)
+    build_archive(store, work, "steady", ts, {"workerMode": "process", "minWorkers": 1})
+    build_archive(store, work, "hangs", ts, {"minWorkers": 1, "responseTimeout": 0.5})
+    env = {
+        "SCRIPTSERVE_MAX_ABANDONED_THREADS": "1",
+        "SCRIPTSERVE_WORKER_RESTART_BACKOFF_S": str(BACKOFF_S),
+        "SCRIPTSERVE_WORKER_MAX_RESTARTS": str(MAX_RESTARTS),
+        "SCRIPTSERVE_WORKER_RESTART_WINDOW_S": "120",
+    }
+    server = ServerProcess(store, "--workers", "1", env=env).start(timeout_s=180)
+    try:
+        assert len(start_log.read_text().splitlines()) == 1
+        crash_flag.touch()  # from now on, every new worker dies while loading
+        response = infer(server, "crashy", row(KILL))
+        assert response.status_code == 503
+        assert (
+            "worker for model 'crashy' died (killed by signal 9 (SIGKILL))"
+            in (response.json()["error"])
+        )
+
+        poll(lambda: describe(server, "crashy")["state"] == "FAILED", what="model FAILED")
+        description = describe(server, "crashy")
+        assert description["reason"].startswith(f"{MAX_RESTARTS + 1} worker failures within 120 s")
+        assert "exited with code 3 while loading the model" in description["reason"]
+
+        # The first crash and one per failed replacement, each after a longer back-off.
+        starts = [float(line.split()[0]) for line in start_log.read_text().splitlines()]
+        assert len(starts) == 1 + MAX_RESTARTS
+        gaps = np.diff(starts[1:])
+        for i, gap in enumerate(gaps):
+            assert gap >= BACKOFF_S * 2 ** (i + 1) * 0.9, gaps
+        # Failed for good: no further attempt, however long one waits for it.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert len(start_log.read_text().splitlines()) == 1 + MAX_RESTARTS
+            time.sleep(0.1)
+
+        failed = infer(server, "crashy", row(seed=1))
+        assert failed.status_code == 503
+        assert failed.json()["error"].startswith("model 'crashy' failed: 4 worker failures")
+        assert status(server, "/v2/health/ready") == 503
+        assert status(server, "/v2/models/crashy/ready") == 503
+        # Only that model: the other one still serves.
+        x = row(seed=2)
+        np.testing.assert_allclose(
+            output(infer(server, "steady", x)), reference_output(x), atol=1e-5
+        )
+        assert metric(server, "scriptserve_worker_restarts_total", model="crashy") == 0
+        assert metric(server, "scriptserve_model_state", model="crashy", state="FAILED") == 1
+
+        # Thread mode: each stuck thread is replaced, up to max_abandoned_threads (1) at once.
+        assert infer(server, "hangs", row(SLEEP, 30.0)).status_code == 504
+        poll(lambda: metric(server, "scriptserve_workers_stuck_total", model="hangs") == 1)
+        x = row(seed=3)
+        np.testing.assert_allclose(
+            output(infer(server, "hangs", x)), reference_output(x), atol=1e-5
+        )
+        assert infer(server, "hangs", row(SLEEP, 30.0)).status_code == 504
+        poll(lambda: describe(server, "hangs")["state"] == "FAILED", what="thread model FAILED")
+        assert describe(server, "hangs")["reason"] == (
+            "2 worker threads are stuck in the handler past the response timeout of 0.5 s"
+        )
+        refused = infer(server, "hangs", row(seed=4))
+        assert refused.status_code == 503
+        assert refused.json()["error"].startswith("model 'hangs' failed: 2 worker threads")
+        np.testing.assert_allclose(
+            output(infer(server, "steady", x)), reference_output(x), atol=1e-5
+        )
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_then_ends_process_workers_without_orphans(tmp_path: Path) -> None:
+    store, work = tmp_path / "store", tmp_path / "src"
+    ts, onnx = models_dir(tmp_path)
+    build_archive(store, work, "slow", ts, {"workerMode": "process", "minWorkers": 2})
+    build_archive(store, work, "tiny_onnx", onnx, {"workerMode": "process"}, chaos=False)
+    server = ServerProcess(store, "--workers", "2").start(timeout_s=180)
+    assert server.proc is not None
+    workers = worker_pids(server, "slow") + worker_pids(server, "tiny_onnx")
+    assert len(workers) == 4
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+
+    # A request in flight when SIGTERM arrives still gets its answer.
+    result: dict[str, httpx.Response] = {}
+    x = row(seed=9)
+    x[0, 0], x[0, 1] = SLEEP, 1.5
+    thread = threading.Thread(target=lambda: result.update(r=infer(server, "slow", x)))
+    thread.start()
+    poll(lambda: any(w["status"] == "BUSY" for w in describe(server, "slow")["workers"]))
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    thread.join(30)
+    assert result["r"].status_code == 200
+    np.testing.assert_allclose(output(result["r"]), reference_output(x), atol=1e-5)
+
+    # Every child (workers, and multiprocessing's resource tracker) is gone, none reparented.
+    poll(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+        timeout_s=30,
+        what="no process left behind",
+    )
+    assert "stopped" in server.output()
