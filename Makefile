@@ -3,15 +3,20 @@
 PYTHON ?= python3
 DEMO_DIR ?= build/demo
 
-.PHONY: install demo demo-archive test lint bench gen-proto
+IMAGE ?= scriptserve:cpu
+BASE_IMAGE ?= python:3.11-slim
+BUILDAH ?= buildah
+
+.PHONY: install demo demo-archive digits test lint bench gen-proto image
 
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 
-# Build the demo archive into model_store/, run one prediction in-process, then serve it.
-demo: install demo-archive
+# Build the demo archive and train the digits classifier into model_store/ (the training only
+# when model_store/ has no digits archive), run one prediction in-process, then serve them all.
+demo: install demo-archive digits
 	scriptserve predict model_store/demo.mar --input $(DEMO_DIR)/sample.json
-	scriptserve serve --model-store model_store --models demo=demo.mar
+	scriptserve serve --model-store model_store --models all
 
 demo-archive: install
 	$(PYTHON) scripts/demo_model.py $(DEMO_DIR)
@@ -19,8 +24,21 @@ demo-archive: install
 		--handler tensor --sample-input $(DEMO_DIR)/sample.json --export-path model_store -f
 	scriptserve archive verify model_store/demo.mar
 
+# Train the digits classifier into model_store/ (about a minute on 2 cores), unless it is there.
+digits: install
+	test -f model_store/digits.mar || \
+		$(PYTHON) -m training --model lenet --epochs 10 --formats torchscript,onnx --out model_store
+
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+# The CPU image (docker/Dockerfile, see docs/deployment.md) with buildah; the build itself needs
+# no network: the wheels come from build/wheelhouse, made here. `docker build` works the same.
+image:
+	command -v $(BUILDAH) >/dev/null || (apt-get update -qq && apt-get install -y -qq buildah)
+	PYTHON=$(PYTHON) docker/wheelhouse.sh build/wheelhouse
+	$(BUILDAH) bud --isolation chroot --format docker --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+		-f docker/Dockerfile -t $(IMAGE) .
 
 lint: install
 	ruff check .
@@ -30,10 +48,16 @@ lint: install
 gen-proto: install
 	$(PYTHON) scripts/gen_proto.py
 
-# Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client).
+# Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client);
+# benchmarks/grpc_client (C++, closed-loop gRPC) builds on Debian's gRPC into build/grpc_client/.
 bench: install
 	command -v wrk >/dev/null && command -v h2load >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq wrk nghttp2-client)
+	command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null && \
+		pkg-config --exists grpc++ protobuf || \
+		(apt-get update -qq && apt-get install -y -qq libgrpc++-dev protobuf-compiler-grpc \
+			libprotobuf-dev protobuf-compiler pkg-config)
+	$(MAKE) -C benchmarks/grpc_client
 	$(PYTHON) benchmarks/handler_threads.py
 	$(PYTHON) -m benchmarks.http_load
 	$(PYTHON) -m benchmarks.grpc_load
