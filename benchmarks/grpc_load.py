@@ -1,16 +1,19 @@
 """Scenario A over the Open Inference Protocol's gRPC API with raw tensors, beside REST.
 
-    python -m benchmarks.grpc_load            # 3 rounds of 10 s runs; about 4 minutes
-    python -m benchmarks.grpc_load --quick    # 1 round of 3 s runs; about 30 s
+    python -m benchmarks.grpc_load            # 3 rounds of 10 s runs; about 6 minutes
+    python -m benchmarks.grpc_load --quick    # 1 round of 3 s runs; about 1 minute
 
 One scriptserve serves scenario A's MLP (512-1024-1024-10, batching on) over both protocols, and
 each round loads it in turn with one row per request: REST with a JSON row to /predictions and
 with OIP's binary tensor extension to /v2/models/mlp/infer (wrk, 32 connections), and gRPC
 ModelInfer with `raw_input_contents` (h2load; 32 connections of one stream, then one connection
-of 32 streams). Trivial requests (GET /v2/health/live, gRPC ServerLive) show the load generators'
-headroom. Before any load, each request is checked to be answered with the model's output, and
-an h2load run of a fixed count must raise the server's count of gRPC 200s by exactly that count;
-over every measured run the server's count of 200s is compared with the client's successes.
+of 32 streams), and with grpc_loadgen (benchmarks/grpc_client, C++): 32 clients of one request
+outstanding each, as back-to-back ModelInfer calls and as one ModelStreamInfer stream per client.
+Trivial requests (GET /v2/health/live, gRPC ServerLive) show the load generators' headroom.
+Before any load, each request is checked to be answered with the model's output, and an h2load
+run and grpc_loadgen runs (unary, stream) of a fixed count must each raise the server's count of
+gRPC 200s by exactly that count; over every measured run the server's count of 200s is compared
+with the client's successes (for grpc_loadgen, exactly with all its successes).
 The results are also written to benchmarks/results/grpc_load-<date>.json.
 """
 
@@ -35,7 +38,17 @@ import numpy as np
 import torch
 
 from benchmarks import report
-from benchmarks.loadgen import LoadResult, Run, h2load_path, run_h2load, run_wrk, wrk_path
+from benchmarks.loadgen import (
+    GrpcLoadResult,
+    LoadResult,
+    Run,
+    grpc_loadgen_path,
+    h2load_path,
+    run_grpc_loadgen,
+    run_h2load,
+    run_wrk,
+    wrk_path,
+)
 from benchmarks.models import BenchModel, build
 from benchmarks.scenarios import median
 from benchmarks.servers import ServerProcess, scriptserve
@@ -46,7 +59,9 @@ SERVICE = "/inference.GRPCInferenceService"
 GRPC_HEADERS = {"content-type": "application/grpc", "te": "trailers"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 CHECK_REQUESTS = 2000
-"""The h2load run before loading whose every request the server must count as a gRPC 200."""
+"""The h2load and grpc_loadgen runs before loading: the server must count each request as a gRPC
+200."""
+CPP_MODES = ("unary", "stream")
 MODEL = "mlp"
 LoadFn = Callable[[float], LoadResult]
 
@@ -58,6 +73,7 @@ class Options:
     repeats: int
     wrk_threads: int
     h2load_threads: int
+    cpp_threads: int
     workers: int
     intra_op_threads: int
     max_batch_size: int
@@ -77,6 +93,8 @@ class Bodies:
     grpc_live: Path
     expected: np.ndarray
     """The model's output for the row, computed in-process."""
+    grpc_message: Path
+    """The ModelInferRequest alone (no gRPC frame), as grpc_loadgen reads it."""
 
 
 def grpc_frame(message: Any) -> bytes:
@@ -96,16 +114,21 @@ def write_bodies(model: BenchModel, workdir: Path) -> Bodies:
                     "parameters": {"binary_data_size": len(raw)}}],
         "parameters": {"binary_data_output": True},
     }, separators=(",", ":")).encode()  # fmt: skip
-    paths = {name: workdir / f"{model.name}-{name}.bin" for name in ("oip", "infer", "live")}
+    names = ("oip", "infer", "live", "message")
+    paths = {name: workdir / f"{model.name}-{name}.bin" for name in names}
     paths["oip"].write_bytes(header + raw)
     paths["infer"].write_bytes(grpc_frame(infer))
+    paths["message"].write_bytes(infer.SerializeToString())
     paths["live"].write_bytes(grpc_frame(oip.ServerLiveRequest()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         module = torch.jit.load(str(model.scripted)).eval()  # type: ignore[no-untyped-call]
     with torch.inference_mode():
         expected = module(torch.from_numpy(row)).numpy()
-    return Bodies(model.body, paths["oip"], len(header), paths["infer"], paths["live"], expected)
+    return Bodies(
+        model.body, paths["oip"], len(header), paths["infer"], paths["live"], expected,
+        paths["message"],
+    )  # fmt: skip
 
 
 # -- checks before loading ---------------------------------------------------------------------
@@ -121,6 +144,13 @@ def _grpc_call(address: str, method: str, frame: bytes) -> bytes:
         call = channel.unary_unary(SERVICE + "/" + method)
         answer: bytes = call(frame[5:], timeout=10)
         return answer
+
+
+def _grpc_stream(address: str, message: bytes, count: int) -> list[bytes]:
+    """One ModelStreamInfer call with grpcio writing `message` `count` times: the answers."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(SERVICE + "/ModelStreamInfer")
+        return list(call(iter([message] * count), timeout=10))
 
 
 def _close(name: str, got: np.ndarray, expected: np.ndarray) -> float:
@@ -160,6 +190,17 @@ def verify(server: ServerProcess, bodies: Bodies, opts: Options) -> dict[str, An
         raise SystemExit(f"gRPC ModelInfer: output {out.datatype} {list(out.shape)} unexpected")
     got = np.frombuffer(answer.raw_output_contents[0], "<f4")
     found["grpc_max_abs_diff"] = _close("gRPC ModelInfer", got, bodies.expected)
+    answers = _grpc_stream(server.grpc_address, bodies.grpc_message.read_bytes(), 3)
+    if len(answers) != 3:
+        raise SystemExit(f"gRPC ModelStreamInfer: 3 requests got {len(answers)} answers")
+    diffs = []
+    for data in answers:
+        streamed = oip.ModelStreamInferResponse.FromString(data)
+        if streamed.error_message:
+            raise SystemExit(f"gRPC ModelStreamInfer: error_message {streamed.error_message!r}")
+        got = np.frombuffer(streamed.infer_response.raw_output_contents[0], "<f4")
+        diffs.append(_close("gRPC ModelStreamInfer", got, bodies.expected))
+    found["grpc_stream_max_abs_diff"] = max(diffs)
     live = oip.ServerLiveResponse.FromString(
         _grpc_call(server.grpc_address, "ServerLive", bodies.grpc_live.read_bytes())
     )
@@ -192,6 +233,23 @@ def verify(server: ServerProcess, bodies: Bodies, opts: Options) -> dict[str, An
     all_ok = {("grpc", "200"): CHECK_REQUESTS}
     if load.requests != CHECK_REQUESTS or load.errors or counted != all_ok:
         raise SystemExit(f"the h2load check run was not all gRPC successes: {found}")
+    for mode in CPP_MODES:
+        before = settled_counts(server)
+        cpp = run_grpc_loadgen(
+            server.grpc_address, mode, 32, bodies.grpc_message, requests=CHECK_REQUESTS,
+            threads=opts.cpp_threads,
+        )  # fmt: skip
+        counted = _delta(settled_counts(server), before)
+        found[f"grpc_loadgen_{mode}_count_run"] = {
+            "requests": CHECK_REQUESTS,
+            "answered": cpp.requests,
+            "errors": cpp.errors,
+            "server_counted": {f"{p} {s}": n for (p, s), n in counted.items()},
+        }
+        if cpp.requests != CHECK_REQUESTS or cpp.errors or counted != all_ok:
+            raise SystemExit(
+                f"the grpc_loadgen {mode} check run was not all gRPC successes: {found}"
+            )
     return found
 
 
@@ -201,7 +259,7 @@ class Load:
     key: str
     label: str
     client: str
-    """The load generator: wrk or h2load."""
+    """The load generator: wrk, h2load or C++ (grpc_loadgen)."""
     connections: int
     streams: int
     protocol: str | None
@@ -228,6 +286,13 @@ def loads(server: ServerProcess, bodies: Bodies, opts: Options) -> tuple[list[Lo
             threads=opts.h2load_threads, seconds=s,
         )  # fmt: skip
 
+    def cpp(mode: str) -> LoadFn:
+        assert server.grpc_address is not None
+        address = server.grpc_address
+        return lambda s: run_grpc_loadgen(
+            address, mode, 32, bodies.grpc_message, seconds=s, threads=opts.cpp_threads
+        )
+
     infer = "gRPC ModelInfer, raw_input_contents"
     measured = [
         Load("rest_json", f"REST JSON /predictions/{MODEL}", "wrk", 32, 1, "rest",
@@ -238,6 +303,9 @@ def loads(server: ServerProcess, bodies: Bodies, opts: Options) -> tuple[list[Lo
              h2load("ModelInfer", 32, 1, bodies.grpc_infer)),
         Load("grpc_1x32", infer, "h2load", 1, 32, "grpc",
              h2load("ModelInfer", 1, 32, bodies.grpc_infer)),
+        Load("grpc_cpp_unary", infer, "C++", 32, 1, "grpc", cpp("unary")),
+        Load("grpc_cpp_stream", "gRPC ModelStreamInfer, raw_input_contents", "C++", 32, 1,
+             "grpc", cpp("stream")),
     ]  # fmt: skip
     headroom = [
         Load("rest_live", "REST GET /v2/health/live", "wrk", 32, 1, None,
@@ -312,7 +380,7 @@ def run_rounds(
         turn = round_ % len(measured)
         for load in headroom + measured[turn:] + measured[:turn]:
             results.runs.setdefault(load.key, []).append(measure(server, load, opts))
-        for g in ("grpc_32x1", "grpc_1x32"):
+        for g in GRPC_RATIOS:
             for r in ("rest_json", "rest_oip"):
                 ratio = results.runs[g][-1].run.load.rps / results.runs[r][-1].run.load.rps
                 results.ratios.setdefault(f"{g} / {r}", []).append(ratio)
@@ -320,8 +388,15 @@ def run_rounds(
 
 
 # -- report --------------------------------------------------------------------------------
+GRPC_RATIOS = {
+    "grpc_32x1": "32 x 1",
+    "grpc_1x32": "1 x 32",
+    "grpc_cpp_unary": "ModelInfer C++ 32 x 1",
+    "grpc_cpp_stream": "ModelStreamInfer C++ 32 x 1",
+}
+"""The gRPC loads whose req/s are compared with REST's: load key -> label in the ratio lines."""
 _HEADER = (
-    f"{'load':<38}{'client':>7}{'conns x streams':>16}{'req/s':>7}{'p50 ms':>7}{'p90 ms':>7}"
+    f"{'load':<42}{'client':>7}{'conns x streams':>16}{'req/s':>7}{'p50 ms':>7}{'p90 ms':>7}"
     f"{'p99 ms':>7}{'errors':>7}{'srv CPU':>8}{'µs/req':>7}{'cli CPU':>8}{'batch':>6}"
     f"{'unseen':>7}"
 )
@@ -332,7 +407,7 @@ def _row(load: Load, runs: Sequence[Measured]) -> str:
     batches = [m.run.mean_batch for m in runs if m.run.mean_batch is not None]
     unseen = [m.unseen for m in runs if m.unseen is not None]
     return (
-        f"{load.label:<38}{load.client:>7}{f'{load.connections} x {load.streams}':>16}"
+        f"{load.label:<42}{load.client:>7}{f'{load.connections} x {load.streams}':>16}"
         f"{median([r.rps for r in results]):>7.0f}{median([r.p50_ms for r in results]):>7.2f}"
         f"{median([r.p90_ms for r in results]):>7.2f}{median([r.p99_ms for r in results]):>7.2f}"
         f"{sum(r.errors for r in results):>7}{median([m.run.server_cpu for m in runs]):>8.2f}"
@@ -362,7 +437,7 @@ def table(measured: list[Load], headroom: list[Load], opts: Options, results: Re
                        f"(cli CPU {median([r.client_cpu for r in runs]):.2f})")  # fmt: skip
     lines.append("headroom, trivial requests at 32 connections: " + ", ".join(trivial))
     names = {"rest_json": "REST JSON", "rest_oip": "REST OIP binary"}
-    for g, label in (("grpc_32x1", "32 x 1"), ("grpc_1x32", "1 x 32")):
+    for g, label in GRPC_RATIOS.items():
         parts = [
             f"/ {names[r]} {median(results.ratios[f'{g} / {r}']):.2f}"
             f"{_rounds(results.ratios[f'{g} / {r}'])}"
@@ -385,20 +460,36 @@ def _checks(measured: Sequence[Load], results: Results) -> str:
         if m.unseen is None or not 0 <= m.unseen <= load.connections * load.streams
     ]
     verdict = "every run" if not off else "NOT every run (" + ", ".join(off) + ")"
+    # grpc_loadgen waits for every request it sent: the server's 200s are all its successes.
+    inexact = [
+        f"{load.key} round {i + 1}: server {m.server_ok}, client {m.run.load.total_ok}"
+        for load in measured
+        for i, m in enumerate(results.runs[load.key])
+        if isinstance(m.run.load, GrpcLoadResult) and m.server_ok != m.run.load.total_ok
+    ]
+    exact = "every run" if not inexact else "NOT every run (" + ", ".join(inexact) + ")"
     return (
         f"server's 200s = client's successes + 0..(connections x streams) in flight at the stop: "
-        f"{verdict}"
+        f"{verdict}\n"
+        f"C++ client: server's 200s = all the client's successes (warm-up and drain included): "
+        f"{exact}"
     )
 
 
 def verification_line(found: Mapping[str, Any]) -> str:
     run = found["h2load_count_run"]
     diff = max(v for k, v in found.items() if k.endswith("max_abs_diff"))
+    cpp = "; ".join(
+        f"grpc_loadgen {mode} --requests {r['requests']}: {r['answered']} answered, "
+        f"{r['errors']} errors, server counted {r['server_counted']}"
+        for mode in CPP_MODES
+        for r in [found[f"grpc_loadgen_{mode}_count_run"]]
+    )
     return (
-        f"checked before loading: gRPC ModelInfer (grpcio, the h2load bytes), REST /predictions "
-        f"and OIP binary answer the model's output (max abs diff {diff:.1e}); "
-        f"h2load -n {run['requests']}: {run['h2load_answered']} answered, {run['h2load_errors']} "
-        f"errors, server counted {run['server_counted']}"
+        f"checked before loading: gRPC ModelInfer and ModelStreamInfer (grpcio, the h2load and "
+        f"grpc_loadgen bytes), REST /predictions and OIP binary answer the model's output (max abs "
+        f"diff {diff:.1e}); h2load -n {run['requests']}: {run['h2load_answered']} answered, "
+        f"{run['h2load_errors']} errors, server counted {run['server_counted']}; {cpp}"
     )
 
 
@@ -412,6 +503,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="rounds (default 3)")
     p.add_argument("--wrk-threads", type=int, default=2, help="wrk threads (default 2)")
     p.add_argument("--h2load-threads", type=int, default=1, help="h2load threads (default 1)")
+    p.add_argument("--cpp-threads", type=int, default=1,
+                   help="grpc_loadgen (C++ client) threads (default 1)")  # fmt: skip
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="scriptserve workers (default: the CPU count)")  # fmt: skip
     p.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per model call")
@@ -425,12 +518,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     wrk_path()
     h2load_path()
+    grpc_loadgen_path()
     opts = Options(
         seconds=args.seconds or (3.0 if args.quick else 10.0),
         warmup=args.warmup or (1.0 if args.quick else 2.0),
         repeats=args.repeats or (1 if args.quick else 3),
         wrk_threads=args.wrk_threads,
         h2load_threads=args.h2load_threads,
+        cpp_threads=args.cpp_threads,
         workers=args.workers,
         intra_op_threads=args.intra_op_threads,
         max_batch_size=args.max_batch_size,
@@ -464,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rest_json": bodies.json.stat().st_size,
                 "rest_oip": bodies.oip.stat().st_size,
                 "grpc_frame": bodies.grpc_infer.stat().st_size,
+                "grpc_message": bodies.grpc_message.stat().st_size,
             },
             "verification": found,
             "load_average_per_round": results.load_average,

@@ -8,6 +8,10 @@ h2load (HTTP/2, so gRPC): its summary gives requests/s and the succeeded/failed 
 classes; the percentiles come from its `--log-file`, one line per request of the measured run.
 h2load sees HTTP statuses only: a gRPC error is an HTTP 200 with a `grpc-status` trailer, so
 callers must check success another way (benchmarks/grpc_load.py counts the server's answers).
+
+grpc_loadgen (benchmarks/grpc_client, C++ on Debian's gRPC, built on first use): closed-loop gRPC
+ModelInfer calls or ModelStreamInfer messages, one outstanding per client; it checks every answer
+(status, a stream's `error_message`, outputs present) and prints one JSON line of exact figures.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +184,109 @@ def run_h2load(
         requests=done,
         errors=done - succeeded + timeout,
         client_cpu=cpu_s / wall_s,
+    )
+
+
+GRPC_CLIENT = Path(__file__).resolve().parent / "grpc_client"
+"""grpc_loadgen's source and Makefile; it builds into build/grpc_client/ at the repository root."""
+GRPC_LOADGEN = GRPC_CLIENT.parent.parent / "build" / "grpc_client" / "grpc_loadgen"
+_BUILD_COMMANDS = {
+    "make": "make",
+    "c++": "g++",
+    "pkg-config": "pkg-config",
+    "protoc": "protobuf-compiler",
+    "grpc_cpp_plugin": "protobuf-compiler-grpc",
+}
+_BUILD_LIBRARIES = {"grpc++": "libgrpc++-dev", "protobuf": "libprotobuf-dev"}
+"""pkg-config modules -> the Debian packages that provide them."""
+
+
+@cache
+def grpc_loadgen_path() -> str:
+    """grpc_loadgen, built (or rebuilt after its source or the proto changed) on the first call;
+    raises SystemExit naming the Debian packages to install when the build tools are missing."""
+    missing = [pkg for command, pkg in _BUILD_COMMANDS.items() if shutil.which(command) is None]
+    if shutil.which("pkg-config") is not None:
+        missing += [
+            pkg
+            for module, pkg in _BUILD_LIBRARIES.items()
+            if subprocess.run(["pkg-config", "--exists", module], check=False).returncode != 0
+        ]
+    else:
+        missing += _BUILD_LIBRARIES.values()
+    if missing:
+        raise SystemExit(
+            "building benchmarks/grpc_client needs Debian packages that are not installed: "
+            f"apt-get install -y {' '.join(missing)}"
+        )
+    build = subprocess.run(
+        ["make", "-s", "-C", str(GRPC_CLIENT)], capture_output=True, text=True, check=False
+    )
+    if build.returncode != 0 or not GRPC_LOADGEN.exists():
+        raise SystemExit(
+            f"building benchmarks/grpc_client failed ({build.returncode}):\n"
+            f"{build.stdout}{build.stderr}"
+        )
+    return str(GRPC_LOADGEN)
+
+
+@dataclass(frozen=True)
+class GrpcLoadResult(LoadResult):
+    total_ok: int
+    """Successes over grpc_loadgen's whole run: warm-up, measured window and the drain after it.
+    It waits for every request it sent, so the server answered exactly total_ok + total_errors."""
+    total_errors: int
+
+
+def run_grpc_loadgen(
+    address: str,
+    mode: str,
+    concurrency: int,
+    request: Path,
+    seconds: float | None = None,
+    requests: int | None = None,
+    warmup: float = 0.0,
+    threads: int = 1,
+    channels: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> GrpcLoadResult:
+    """`concurrency` closed-loop clients of the gRPC inference service at `address`, each with one
+    request outstanding: back-to-back ModelInfer calls (`mode` "unary") or one ModelStreamInfer
+    call writing the next message once the last is answered ("stream"). `request` holds a
+    serialized ModelInferRequest (no gRPC framing). Runs `warmup` then `seconds` (measured), or
+    exactly `requests` requests, from `threads` threads over `channels` connections (default: one
+    per client). `client_cpu` is grpc_loadgen's own figure over the measured window.
+    """
+    if (seconds is None) == (requests is None):
+        raise ValueError("give either seconds or requests")
+    if mode not in ("unary", "stream"):
+        raise ValueError(f"mode must be 'unary' or 'stream', not {mode!r}")
+    if seconds is not None:
+        amount = ["--seconds", f"{seconds:g}", "--warmup", f"{warmup:g}"]
+    else:
+        amount = ["--requests", str(requests)]
+    argv = [
+        grpc_loadgen_path(), "--address", address, "--mode", mode,
+        "--concurrency", str(concurrency), *amount, "--request", str(request),
+        "--threads", str(threads), "--channels", str(channels or concurrency),
+        *(arg for k, v in (metadata or {}).items() for arg in ("--metadata", f"{k}: {v}")),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        text, code, _, _ = _run(argv, Path(tmp) / "grpc_loadgen.out")
+    line = next((ln for ln in reversed(text.splitlines()) if ln.startswith('{"rps"')), None)
+    if code != 0 or line is None:
+        raise RuntimeError(f"grpc_loadgen failed ({code}): {' '.join(argv)}\n{text}")
+    r = json.loads(line)
+    return GrpcLoadResult(
+        rps=float(r["rps"]),
+        p50_ms=float(r["p50_ms"]),
+        p90_ms=float(r["p90_ms"]),
+        p99_ms=float(r["p99_ms"]),
+        requests=int(r["requests"]),
+        errors=int(r["errors"]),
+        client_cpu=float(r["client_cpu"]),
+        total_ok=int(r["total_ok"]),
+        total_errors=int(r["total_errors"]),
     )
 
 
