@@ -286,12 +286,13 @@ def loads(server: ServerProcess, bodies: Bodies, opts: Options) -> tuple[list[Lo
             threads=opts.h2load_threads, seconds=s,
         )  # fmt: skip
 
-    def cpp(mode: str) -> LoadFn:
+    def cpp(mode: str, channels: int = 32) -> LoadFn:
         assert server.grpc_address is not None
         address = server.grpc_address
         return lambda s: run_grpc_loadgen(
-            address, mode, 32, bodies.grpc_message, seconds=s, threads=opts.cpp_threads
-        )
+            address, mode, 32, bodies.grpc_message, seconds=s, threads=opts.cpp_threads,
+            channels=channels,
+        )  # fmt: skip
 
     infer = "gRPC ModelInfer, raw_input_contents"
     measured = [
@@ -306,6 +307,10 @@ def loads(server: ServerProcess, bodies: Bodies, opts: Options) -> tuple[list[Lo
         Load("grpc_cpp_unary", infer, "C++", 32, 1, "grpc", cpp("unary")),
         Load("grpc_cpp_stream", "gRPC ModelStreamInfer, raw_input_contents", "C++", 32, 1,
              "grpc", cpp("stream")),
+        # One channel multiplexing 32 streams, as a gRPC client usually does; still one message
+        # in flight per stream, 32 in all, as with wrk's 32 connections.
+        Load("grpc_cpp_stream_1x32", "gRPC ModelStreamInfer, raw_input_contents", "C++", 1, 32,
+             "grpc", cpp("stream", channels=1)),
     ]  # fmt: skip
     headroom = [
         Load("rest_live", "REST GET /v2/health/live", "wrk", 32, 1, None,
@@ -393,6 +398,7 @@ GRPC_RATIOS = {
     "grpc_1x32": "1 x 32",
     "grpc_cpp_unary": "ModelInfer C++ 32 x 1",
     "grpc_cpp_stream": "ModelStreamInfer C++ 32 x 1",
+    "grpc_cpp_stream_1x32": "ModelStreamInfer C++ 1 x 32",
 }
 """The gRPC loads whose req/s are compared with REST's: load key -> label in the ratio lines."""
 _HEADER = (

@@ -184,15 +184,71 @@ class DataPlane:
             status = DeadlineExceeded.status if expired else CLIENT_CLOSED
             raise
         finally:
-            label_model = name
-            if label_version is None:
-                # Clients choose these names: a typo must not mint a new time series.
-                label_version = UNKNOWN_LABEL
-                if name not in self.registry.names():
-                    label_model = UNKNOWN_LABEL
             self.metrics.observe_request(
-                label_model, label_version, protocol, status, time.perf_counter() - started
+                *self._labels(name, label_version), protocol, status, time.perf_counter() - started
             )
+
+    def start(
+        self,
+        name: str,
+        version: str | None,
+        request: InferenceRequest,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> asyncio.Future[InferenceResponse]:
+        """Queue one request and return the future of its answer, without a coroutine per
+        request: what a stream of many requests uses. Errors come as the future's exception
+        (a ServingError), and an answer whose `error` is set is a failure too
+        (`error_for_status`); cancelling the future withdraws the request. Metrics and the
+        in-flight count are kept as `infer` keeps them."""
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            if self.draining:
+                raise ModelNotReady("the server is shutting down; retry on another replica")
+            mv = self._serving(name, version)
+            job, timer = self._enqueue(mv, request, timeout_s)
+        except ServingError as exc:
+            self.metrics.observe_request(
+                *self._labels(name, None), protocol, exc.status, time.perf_counter() - started
+            )
+            failed: asyncio.Future[InferenceResponse] = loop.create_future()
+            failed.set_exception(exc)
+            return failed
+        batcher = mv.batcher
+        assert batcher is not None
+        key = (mv.name, mv.version)
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+
+        def finished(future: asyncio.Future[InferenceResponse]) -> None:
+            timer.cancel()
+            left = self._inflight[key] - 1
+            if left:
+                self._inflight[key] = left
+            else:
+                del self._inflight[key]
+            if future.cancelled():
+                batcher.cancel(job)  # the stream ended: free the slot, leave the worker be
+                status = CLIENT_CLOSED
+            elif (error := future.exception()) is not None:
+                status = error.status if isinstance(error, ServingError) else 500
+            else:
+                response = future.result()
+                status = 200
+                if response.error is not None:
+                    status = error_for_status(response.status, response.error).status
+            self.metrics.observe_request(
+                mv.name, mv.version, protocol, status, time.perf_counter() - started
+            )
+
+        job.future.add_done_callback(finished)
+        return job.future
+
+    def _labels(self, name: str, version: str | None) -> tuple[str, str]:
+        if version is not None:
+            return name, version
+        # Clients choose these names: a typo must not mint a new time series.
+        return (name if name in self.registry.names() else UNKNOWN_LABEL), UNKNOWN_LABEL
 
     def _serving(self, name: str, version: str | None) -> ModelVersion:
         mv = self.registry.get(name, version)
@@ -205,6 +261,20 @@ class DataPlane:
     async def _submit(
         self, mv: ModelVersion, request: InferenceRequest, timeout_s: float | None
     ) -> InferenceResponse:
+        assert mv.batcher is not None
+        job, timer = self._enqueue(mv, request, timeout_s)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            mv.batcher.cancel(job)  # the client went away: free the slot, leave the worker be
+            raise
+        finally:
+            timer.cancel()
+
+    def _enqueue(
+        self, mv: ModelVersion, request: InferenceRequest, timeout_s: float | None
+    ) -> tuple[Job, asyncio.TimerHandle]:
+        """Queue the request with its deadline, and the timer that answers 504 at it."""
         assert mv.batcher is not None and mv.settings is not None
         budget = mv.settings.response_timeout_s
         if timeout_s is not None:
@@ -214,14 +284,7 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         job = Job(request, loop.create_future(), deadline=time.monotonic() + budget)
         mv.batcher.submit(job)
-        timer = loop.call_later(budget, _expire, job, mv.batcher, budget)
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            mv.batcher.cancel(job)  # the client went away: free the slot, leave the worker be
-            raise
-        finally:
-            timer.cancel()
+        return job, loop.call_later(budget, _expire, job, mv.batcher, budget)
 
     # -- management --------------------------------------------------------------------------
     async def register(

@@ -43,7 +43,7 @@ from server.batching import DynamicBatcher, Job
 from server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
 from server.metrics import VersionMetrics
 from server.procchild import ChildSpec, child_main
-from server.workers import fail_jobs
+from server.workers import deliver, describe_worker, fail_jobs
 
 log = logging.getLogger("scriptserve.procworkers")
 
@@ -225,17 +225,7 @@ class ProcessWorkerPool:
 
     def describe(self) -> list[dict[str, object]]:
         return [
-            {
-                "id": f"{self.model}-{w.id}",
-                "startTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(w.started_at)),
-                "status": w.state.value,
-                "device": w.device,
-                "batches": w.batches,
-                "gpu": w.device.startswith("cuda"),
-                "pid": w.pid,
-                "mode": "process",
-            }
-            for w in list(self._workers)
+            describe_worker(self.model, w, pid=w.pid, mode="process") for w in list(self._workers)
         ]
 
     def counts(self) -> dict[str, int]:
@@ -408,7 +398,7 @@ class ProcessWorkerPool:
         outcomes: list[tuple[Job, InferenceResponse | ServingError]] = list(
             zip(jobs, responses, strict=True)
         )
-        jobs[0].future.get_loop().call_soon_threadsafe(_deliver, outcomes)
+        jobs[0].future.get_loop().call_soon_threadsafe(deliver, outcomes)
 
     def _exchange(self, worker: ProcessWorker, jobs: list[Job]) -> list[InferenceResponse]:
         """Send a batch to the worker process and read its responses back."""
@@ -538,13 +528,3 @@ class ProcessWorkerPool:
             return self.failed_reason is None
         self._metrics.worker_restarts.inc()
         return True
-
-
-def _deliver(outcomes: list[tuple[Job, InferenceResponse | ServingError]]) -> None:
-    for job, outcome in outcomes:
-        if job.future.done():
-            continue
-        if isinstance(outcome, ServingError):
-            job.future.set_exception(outcome)
-        else:
-            job.future.set_result(outcome)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from handlers.backends import BackendError
 from handlers.base import BaseHandler, Context, HandlerError, InferenceResponse
@@ -56,7 +57,7 @@ class Worker:
     abandoned: bool = False
 
 
-def _deliver(outcomes: list[tuple[Job, InferenceResponse | ServingError]]) -> None:
+def deliver(outcomes: list[tuple[Job, InferenceResponse | ServingError]]) -> None:
     """Runs on the event loop: resolve the futures nobody has given up on."""
     for job, outcome in outcomes:
         if job.future.done():
@@ -71,7 +72,30 @@ def fail_jobs(jobs: list[Job], error: ServingError) -> None:
     """Answer `jobs` with `error` (from any thread); futures already done are left alone."""
     if jobs:
         outcomes: list[tuple[Job, InferenceResponse | ServingError]] = [(j, error) for j in jobs]
-        jobs[0].future.get_loop().call_soon_threadsafe(_deliver, outcomes)
+        jobs[0].future.get_loop().call_soon_threadsafe(deliver, outcomes)
+
+
+class DescribedWorker(Protocol):
+    id: int
+    device: str
+    started_at: float
+    batches: int
+
+    @property
+    def state(self) -> Enum: ...
+
+
+def describe_worker(model: str, worker: DescribedWorker, **extra: object) -> dict[str, object]:
+    """One worker as the management API's describe lists it (TorchServe's keys)."""
+    return {
+        "id": f"{model}-{worker.id}",
+        "startTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(worker.started_at)),
+        "status": worker.state.value,
+        "device": worker.device,
+        "batches": worker.batches,
+        "gpu": worker.device.startswith("cuda"),
+        **extra,
+    }
 
 
 class WorkerPool:
@@ -167,17 +191,7 @@ class WorkerPool:
         fail_jobs(self.batcher.take_all(), error)
 
     def describe(self) -> list[dict[str, object]]:
-        return [
-            {
-                "id": f"{self.model}-{w.id}",
-                "startTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(w.started_at)),
-                "status": w.state.value,
-                "device": w.device,
-                "batches": w.batches,
-                "gpu": w.device.startswith("cuda"),
-            }
-            for w in list(self._workers)
-        ]
+        return [describe_worker(self.model, w) for w in list(self._workers)]
 
     def counts(self) -> dict[str, int]:
         counts = {s.value: 0 for s in WorkerState if s is not WorkerState.STOPPED}
@@ -258,7 +272,7 @@ class WorkerPool:
         outcomes: list[tuple[Job, InferenceResponse | ServingError]] = [
             (job, error) for job in batch.expired
         ]
-        batch.expired[0].future.get_loop().call_soon_threadsafe(_deliver, outcomes)
+        batch.expired[0].future.get_loop().call_soon_threadsafe(deliver, outcomes)
 
     def _process(self, worker: Worker, jobs: list[Job]) -> None:
         for job in jobs:
@@ -283,4 +297,4 @@ class WorkerPool:
         outcomes: list[tuple[Job, InferenceResponse | ServingError]] = list(
             zip(jobs, results, strict=True)
         )
-        jobs[0].future.get_loop().call_soon_threadsafe(_deliver, outcomes)
+        jobs[0].future.get_loop().call_soon_threadsafe(deliver, outcomes)

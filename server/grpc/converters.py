@@ -97,14 +97,18 @@ def infer_response(
     request_id: str,
     outputs: dict[str, np.ndarray],
     requested: list[str],
+    into: oip.ModelInferResponse | None = None,
 ) -> oip.ModelInferResponse:
+    """The answer as a ModelInferResponse, written `into` an existing (empty) message if given:
+    a stream's reply embeds one, and filling it in place spares copying the tensors."""
     unknown = [n for n in requested if n not in outputs]
     if unknown:
         known = ", ".join(outputs)
         raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
-    response = oip.ModelInferResponse(
-        model_name=model_name, model_version=model_version, id=request_id
-    )
+    response = oip.ModelInferResponse() if into is None else into
+    response.model_name = model_name
+    response.model_version = model_version
+    response.id = request_id
     for name in requested or list(outputs):
         array = outputs[name]
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)

@@ -15,8 +15,9 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf import empty_pb2
 
+from handlers.base import InferenceResponse
 from server.dataplane import DEADLINE_SLACK_S, DataPlane, prediction_payload
-from server.errors import DeadlineExceeded, ServingError
+from server.errors import DeadlineExceeded, ServingError, error_for_status
 from server.grpc import converters
 from server.grpc._generated import inference_pb2 as ts
 from server.grpc._generated import inference_pb2_grpc as ts_grpc
@@ -125,35 +126,70 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
-        """Triton's bidirectional stream: every request runs as soon as it arrives (so requests
-        of one stream batch together), and each answer is written when it is ready, carrying
-        its request's `id`. A failed request is answered with `error_message`; the stream goes
-        on. Ending the call (client cancel, deadline) cancels the requests still running."""
-        writing = asyncio.Lock()
-        running: set[asyncio.Task[None]] = set()
+        """Triton's bidirectional stream: every request is queued as soon as it arrives (so
+        requests of one stream batch together), and each answer is written when it is ready,
+        carrying its request's `id`. A failed request is answered with `error_message`; the
+        stream goes on. Ending the call (client cancel, deadline) withdraws the requests still
+        queued. No coroutine per request: answers are built in the futures' callbacks and one
+        writer sends them in order of completion."""
+        replies: asyncio.Queue[oip.ModelStreamInferResponse | None] = asyncio.Queue()
+        pending: set[asyncio.Future[InferenceResponse]] = set()
 
-        async def answer(request: Any) -> None:
+        def failed(request: Any, error: ServingError) -> oip.ModelStreamInferResponse:
+            reply = oip.ModelStreamInferResponse(error_message=error.message)
+            reply.infer_response.model_name = request.model_name
+            reply.infer_response.id = request.id
+            return reply
+
+        def answered(
+            request: Any, requested: list[str], future: asyncio.Future[InferenceResponse]
+        ) -> None:
+            pending.discard(future)
+            if future.cancelled():
+                return
+            reply = oip.ModelStreamInferResponse()
             try:
-                reply = oip.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, context)
-                )
+                response = future.result()
+                if response.error is not None:
+                    raise error_for_status(response.status, response.error)
+                version = _version(request.model_version)
+                resolved = self.dataplane.resolve_version(request.model_name, version)
+                converters.infer_response(
+                    request.model_name, resolved, request.id, response.outputs, requested,
+                    into=reply.infer_response,
+                )  # fmt: skip
             except ServingError as exc:
-                reply = oip.ModelStreamInferResponse(error_message=exc.message)
-                reply.infer_response.model_name = request.model_name
-                reply.infer_response.id = request.id
-            async with writing:
+                reply = failed(request, exc)
+            replies.put_nowait(reply)
+
+        async def write_replies() -> None:
+            while (reply := await replies.get()) is not None:
                 await context.write(reply)
 
+        writer = asyncio.create_task(write_replies())
         try:
             async for request in requests:
-                task = asyncio.create_task(answer(request))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            if running:
-                await asyncio.gather(*running)
+                try:
+                    inference, requested = converters.infer_request(request)
+                except ServingError as exc:
+                    replies.put_nowait(failed(request, exc))
+                    continue
+                future = self.dataplane.start(
+                    request.model_name, _version(request.model_version), inference, "grpc",
+                    _deadline(context),
+                )  # fmt: skip
+                pending.add(future)
+                future.add_done_callback(functools.partial(answered, request, requested))
+            if pending:
+                # Each future's `answered` runs before gather's own callback: every reply is
+                # queued by the time gather returns.
+                await asyncio.gather(*pending, return_exceptions=True)
+            replies.put_nowait(None)
+            await writer
         finally:
-            for task in running:
-                task.cancel()
+            for future in list(pending):
+                future.cancel()
+            writer.cancel()
 
 
 class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):

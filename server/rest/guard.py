@@ -38,6 +38,10 @@ async def send_error(scope: Scope, send: Send, error: ServingError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is larger than the server's limit of {limit} bytes")
+
+
 class RequestGuard:
     """Wrap an ASGI app: `api`'s key on every path but `open_paths`; bodies up to `max_bytes`."""
 
@@ -74,12 +78,16 @@ class RequestGuard:
                 await send_error(scope, send, error)
                 return
         limit = self.max_bytes
-        too_large = PayloadTooLarge(
-            f"the request body is larger than the server's limit of {limit} bytes"
-        )
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await send_error(scope, send, too_large)
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                await send_error(scope, send, _too_large(limit))
+                return
+            # The HTTP server frames the body by Content-Length: the app can never receive more
+            # than was declared (a longer body is read as the next request, and refused as such),
+            # so the common case needs no counting.
+            await self.app(scope, receive, send)
             return
+        too_large = _too_large(limit)
         received = 0
         started = False
 
