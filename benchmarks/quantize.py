@@ -29,13 +29,8 @@ import torch
 
 from archiver.archive import ArchiveSpec, build_archive, list_files, open_archive
 from archiver.manifest import MANIFEST_PATH
-from archiver.quantize import (
-    QuantizeOptions,
-    Tolerance,
-    ValidationSamples,
-    archive_samples,
-    quantize_model_file,
-)
+from archiver.quantize import QuantizeOptions, Tolerance, ValidationSamples, quantize_model_file
+from archiver.quantize_cache import archive_samples
 from benchmarks import models
 from benchmarks.loadgen import run_wrk
 from benchmarks.servers import scriptserve

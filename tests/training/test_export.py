@@ -85,7 +85,9 @@ def test_archives_verify_and_record_signature_samples_and_accuracy(trained: Trai
             sample = json.loads(reader.path(info.sample_input or "").read_text())
             assert np.asarray(sample).shape == (1, 32, 32)
             with np.load(reader.path(info.validation_samples or ""), allow_pickle=False) as val:
-                assert val["x"].shape == (64, 1, 32, 32) and val["labels"].shape == (64,)
+                assert val["x"].shape == (270, 1, 32, 32) and val["labels"].shape == (
+                    270,
+                )  # the test split
             names = json.loads(reader.path("index_to_name.json").read_text())
             assert names == {str(d): str(d) for d in range(10)}
             pre = json.loads(reader.path("preprocessing.json").read_text())
@@ -130,7 +132,7 @@ def test_int8_agrees_with_eager_and_records_its_guard(
         got = run_torchscript(reader.path(reader.manifest.model.serialized_file or ""), inputs)
     assert info.quantization.mode == "dynamic-int8"
     assert info.quantization.details["quantizedOps"] == {"quantized::linear_dynamic": 3}
-    assert info.quantization.details["validation"]["samples"] == 64
+    assert info.quantization.details["validation"]["samples"] == 270  # the test split
     agreement = float((got.argmax(1) == want.argmax(1)).mean())
     assert agreement >= 0.98  # the int8 tolerance documented in training/export.py
     int8_accuracy = float((got.argmax(1) == labels).mean())
