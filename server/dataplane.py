@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,9 @@ import numpy as np
 import orjson
 
 from archiver import __version__
-from archiver.signature import TensorSpec
 from handlers.base import InferenceRequest, InferenceResponse
 from server.batching import DynamicBatcher, Job
+from server.description import ModelMetadata, describe_version, quantization_parameters
 from server.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -47,34 +46,6 @@ DEADLINE_SLACK_S = 0.05
 """How near its deadline a call counts as expired: the client's timer and the server's differ by
 the network's latency, so a client's cancel may arrive just before the server's deadline."""
 _PLATFORMS = {"torchscript": "pytorch_torchscript", "onnx": "onnxruntime_onnx"}
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    name: str
-    versions: list[str]
-    platform: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    parameters: dict[str, Any] = field(default_factory=dict)
-    """`quantization` and, for int8, how it was made (docs/quantization.md)."""
-
-
-def quantization_parameters(mv: ModelVersion) -> dict[str, Any]:
-    """Flat OIP-style parameters saying whether a version serves an int8 model."""
-    info = mv.manifest.scriptserve if mv.manifest else None
-    if info is None or not info.quantization.quantized:
-        return {"quantization": "none"}
-    q = info.quantization
-    found = {
-        "quantization": q.mode,
-        "quantization_applied_at": q.details.get("appliedAt"),
-        "quantization_source_sha256": q.source_sha256,
-        "quantization_size_ratio": q.size_ratio,
-        "quantization_latency_ratio": q.latency_ratio,
-        "quantization_max_abs_diff": q.max_abs_diff,
-    }
-    return {k: v for k, v in found.items() if v is not None}
 
 
 def _expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
@@ -383,43 +354,14 @@ class DataPlane:
             )
         else:
             versions = [self.registry.get(name, version)]
-        return [self._describe_one(mv) for mv in versions]
-
-    def _describe_one(self, mv: ModelVersion) -> dict[str, Any]:
-        s = mv.settings
-        manifest = mv.manifest
-        pending = mv.batcher.depth if mv.batcher else 0
-        return {
-            "modelName": mv.name,
-            "modelVersion": mv.version,
-            "modelUrl": mv.source.name,
-            "runtime": manifest.runtime if manifest else "python",
-            "modelFormat": manifest.model_format if manifest else None,
-            "quantization": manifest.scriptserve.quantization.mode
-            if manifest and manifest.scriptserve
-            else "none",
-            "quantizationInfo": manifest.scriptserve.quantization.to_dict()
-            if manifest and manifest.scriptserve
-            else {"mode": "none"},
-            "state": mv.state.value,
-            "reason": mv.reason,
-            "isDefault": self.registry.default_version(mv.name) == mv.version,
-            "minWorkers": mv.pool.size if mv.pool else 0,
-            "maxWorkers": max(s.max_workers or 0, mv.pool.size) if s and mv.pool else 0,
-            "batchSize": s.batch_size if s else None,
-            "maxBatchDelay": s.max_batch_delay_ms if s else None,
-            "responseTimeout": s.response_timeout_s if s else None,
-            "deviceType": s.device_type if s else None,
-            "workerMode": s.worker_mode if s else None,
-            "deviceIds": list(s.device_ids) if s and s.device_ids is not None else None,
-            "loadedAtStartup": mv.loaded_at_startup,
-            "workers": mv.pool.describe() if mv.pool else [],
-            "jobQueueStatus": {
-                "remainingCapacity": (s.queue_size - pending) if s else 0,
-                "pendingRequests": pending,
-                "inFlightRequests": self._inflight.get((mv.name, mv.version), 0),
-            },
-        }
+        return [
+            describe_version(
+                mv,
+                self.registry.default_version(mv.name) == mv.version,
+                self._inflight.get((mv.name, mv.version), 0),
+            )
+            for mv in versions
+        ]
 
     def list_models(self, limit: int = 100, next_page_token: int = 0) -> dict[str, Any]:
         if not 1 <= limit <= 1000:

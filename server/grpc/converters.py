@@ -14,7 +14,7 @@ import numpy as np
 
 from archiver.signature import TensorSpec, datatype_of
 from handlers.base import InferenceRequest
-from server.dataplane import ModelMetadata
+from server.description import ModelMetadata
 from server.errors import InvalidInput
 from server.grpc._generated import open_inference_grpc_pb2 as oip
 from server.rawtensors import decode_raw, encode_raw, tensor_dtype
