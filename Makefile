@@ -27,7 +27,7 @@ demo-archive: install
 # Train the digits classifier into model_store/ (about a minute on 2 cores), unless it is there.
 digits: install
 	test -f model_store/digits.mar || \
-		$(PYTHON) -m training --model lenet --epochs 10 --formats torchscript,onnx --out model_store
+		$(PYTHON) -m scriptserve.training --model lenet --epochs 10 --formats torchscript,onnx --out model_store
 
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider
@@ -40,9 +40,15 @@ image:
 	$(BUILDAH) bud --isolation chroot --format docker --build-arg BASE_IMAGE=$(BASE_IMAGE) \
 		-f docker/Dockerfile -t $(IMAGE) .
 
+# mypy checks the package as it is imported (`scriptserve.*`) through build/typecheck/, a tree of
+# links to the package's folders; lint-imports checks the architecture's import rules.
+PACKAGE_PARTS = __init__.py __main__.py py.typed archiver handlers server training
+
 lint: install
 	ruff check .
 	ruff format --check .
+	mkdir -p build/typecheck/scriptserve
+	for part in $(PACKAGE_PARTS); do ln -sfn ../../../$$part build/typecheck/scriptserve/$$part; done
 	mypy
 
 gen-proto: install

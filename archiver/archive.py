@@ -25,8 +25,13 @@ from enum import Enum
 from pathlib import Path
 from types import TracebackType
 
-from archiver.extract import ExtractionLimits, UnsafeArchiveError, check_entry_name, safe_extract
-from archiver.manifest import MANIFEST_PATH, Manifest, ManifestError, check_model_name
+from scriptserve.archiver.extract import (
+    ExtractionLimits,
+    UnsafeArchiveError,
+    check_entry_name,
+    safe_extract,
+)
+from scriptserve.archiver.manifest import MANIFEST_PATH, Manifest, ManifestError, check_model_name
 
 
 class ArchiveError(Exception):

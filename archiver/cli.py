@@ -17,8 +17,8 @@ from typing import Any, NoReturn
 import numpy as np
 import yaml
 
-from archiver import __version__
-from archiver.archive import (
+from scriptserve import __version__
+from scriptserve.archiver.archive import (
     ArchiveError,
     ArchiveFormat,
     ArchiveSpec,
@@ -28,8 +28,8 @@ from archiver.archive import (
     open_archive,
     verify_archive,
 )
-from archiver.extract import UnsafeArchiveError
-from archiver.manifest import (
+from scriptserve.archiver.extract import UnsafeArchiveError
+from scriptserve.archiver.manifest import (
     Manifest,
     ManifestError,
     ModelInfo,
@@ -38,8 +38,8 @@ from archiver.manifest import (
     check_model_name,
     format_for_file,
 )
-from archiver.model_file import ModelFileError, probe_model
-from archiver.quantize import (
+from scriptserve.archiver.model_file import ModelFileError, probe_model
+from scriptserve.archiver.quantize import (
     MODES,
     QuantizationError,
     QuantizeOptions,
@@ -48,7 +48,7 @@ from archiver.quantize import (
     is_torchscript_file,
     quantize_model_file,
 )
-from archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
+from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
 
 # Built-in handler names: ours, and TorchServe's (served by the TorchServe compatibility layer).
 BUILTIN_HANDLERS = (

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from archiver import __version__
-from archiver.signature import Signature, SignatureError
+from scriptserve import __version__
+from scriptserve.archiver.signature import Signature, SignatureError
 
 MANIFEST_PATH = "MAR-INF/MANIFEST.json"
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from archiver.manifest import ModelFormat
-from archiver.signature import Signature, TensorSpec, datatype_of
+from scriptserve.archiver.manifest import ModelFormat
+from scriptserve.archiver.signature import Signature, TensorSpec, datatype_of
 
 # onnxruntime's type strings -> OIP datatypes.
 _ORT_TYPES = {

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from archiver.accuracy import (
+from scriptserve.archiver.accuracy import (
     QuantizationError,
     Runner,
     Tolerance,
@@ -65,7 +65,7 @@ from archiver.accuracy import (
     compare,
     max_abs_diff,
 )
-from archiver.manifest import ModelFormat, Quantization
+from scriptserve.archiver.manifest import ModelFormat, Quantization
 
 log = logging.getLogger("scriptserve.quantize")
 
@@ -250,7 +250,7 @@ def _torch_runner(module: Any) -> Runner:
     names = [a.name for a in module.forward.schema.arguments[1:]]
 
     def run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from archiver.model_file import name_torchscript_outputs
+        from scriptserve.archiver.model_file import name_torchscript_outputs
 
         values = list(inputs.values()) if set(inputs) != set(names) else [inputs[n] for n in names]
         with torch.inference_mode():

@@ -20,9 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from archiver.accuracy import QuantizationError, Tolerance, ValidationSamples, check_tolerance
-from archiver.manifest import Manifest, ModelFormat
-from archiver.quantize import MODES, QuantizationReport, QuantizeOptions, convert, sha256_of
+from scriptserve.archiver.accuracy import (
+    QuantizationError,
+    Tolerance,
+    ValidationSamples,
+    check_tolerance,
+)
+from scriptserve.archiver.manifest import Manifest, ModelFormat
+from scriptserve.archiver.quantize import (
+    MODES,
+    QuantizationReport,
+    QuantizeOptions,
+    convert,
+    sha256_of,
+)
 
 log = logging.getLogger("scriptserve.quantize")
 
@@ -74,7 +85,7 @@ def archive_samples(
     root: Path, manifest: Manifest
 ) -> tuple[dict[str, np.ndarray] | None, ValidationSamples | None]:
     """The archive's sample input and validation samples, where it has them."""
-    from archiver.signature import SignatureError, arrays_from_json
+    from scriptserve.archiver.signature import SignatureError, arrays_from_json
 
     info = manifest.scriptserve
     validation = None
@@ -96,7 +107,7 @@ def archive_samples(
 
 def _signature_sample(manifest: Manifest) -> dict[str, np.ndarray] | None:
     """One seeded random row per input, when the recorded signature fixes every other dim."""
-    from archiver.signature import numpy_dtype
+    from scriptserve.archiver.signature import numpy_dtype
 
     inputs = manifest.signature.inputs
     if not inputs or any(d < 0 for t in inputs for d in t.shape[1:]):

@@ -52,7 +52,7 @@ from benchmarks.loadgen import (
 from benchmarks.models import BenchModel, build
 from benchmarks.scenarios import median
 from benchmarks.servers import ServerProcess, scriptserve
-from server.grpc._generated import open_inference_grpc_pb2 as oip
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVICE = "/inference.GRPCInferenceService"

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from archiver.archive import open_archive
-from archiver.cli import model_archiver_main
-from handlers.base import BaseHandler, Context, InferenceRequest
-from handlers.loader import load_handler, read_model_config
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.handlers.base import BaseHandler, Context, InferenceRequest
+from scriptserve.handlers.loader import load_handler, read_model_config
 
 IN_FEATURES = 256
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 
 class MLP(nn.Module):

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from archiver.cli import model_archiver_main
 from benchmarks.servers import scriptserve
+from scriptserve.archiver.cli import model_archiver_main
 
 # After the packages are imported: the folder tests/archiver would shadow the archiver package.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
@@ -33,8 +33,8 @@ from testmodels import save_torchscript
 PYTHON_HEAVY_HANDLER = """
 import numpy as np
 
-from handlers.base import InferenceResponse
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.base import InferenceResponse
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class PythonHeavy(TensorHandler):

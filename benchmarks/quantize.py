@@ -27,13 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from archiver.archive import ArchiveSpec, build_archive, list_files, open_archive
-from archiver.manifest import MANIFEST_PATH
-from archiver.quantize import QuantizeOptions, Tolerance, ValidationSamples, quantize_model_file
-from archiver.quantize_cache import archive_samples
 from benchmarks import models
 from benchmarks.loadgen import run_wrk
 from benchmarks.servers import scriptserve
+from scriptserve.archiver.archive import ArchiveSpec, build_archive, list_files, open_archive
+from scriptserve.archiver.manifest import MANIFEST_PATH
+from scriptserve.archiver.quantize import (
+    QuantizeOptions,
+    Tolerance,
+    ValidationSamples,
+    quantize_model_file,
+)
+from scriptserve.archiver.quantize_cache import archive_samples
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantize.json"
 Runner = Callable[[np.ndarray], np.ndarray]

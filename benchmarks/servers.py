@@ -132,14 +132,14 @@ class ServerProcess:
 def scriptserve(
     label: str, store: Path, model: str, workers: int, intra_op_threads: int, max_batch_size: int
 ) -> ServerProcess:
-    """`python -m server serve` on free ports, batching with no delay (`--max-batch-delay 0`).
+    """`python -m scriptserve serve` on free ports, batching with no delay (`--max-batch-delay 0`).
 
     Readiness is polled on the model itself: the server-wide /v2/health/ready answers 200 while
     the startup models are still being registered.
     """
     port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
     argv = [
-        sys.executable, "-m", "server", "serve",
+        sys.executable, "-m", "scriptserve", "serve",
         "--model-store", str(store), "--models", "all", "--device", "cpu",
         "--inference-address", f"127.0.0.1:{port}",
         "--management-address", f"127.0.0.1:{mgmt}",

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from hardening import archive  # noqa: E402
 from serving import ServerProcess  # noqa: E402
 
-from server.grpc._generated import open_inference_grpc_pb2 as oip  # noqa: E402
-from server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc  # noqa: E402
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip  # noqa: E402
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

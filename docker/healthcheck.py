@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import urllib.request
 
-from server.settings import load_settings, parse_address
+from scriptserve.server.settings import load_settings, parse_address
 
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 

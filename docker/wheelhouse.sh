@@ -17,7 +17,8 @@ dir=$(cd "$dir" && pwd)
 want=$(cat "$root/pyproject.toml" "$root/constraints.txt" | sha256sum | cut -d' ' -f1)
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
-cp "$root/pyproject.toml" "$root/README.md" "$src/"
+cp "$root/pyproject.toml" "$root/README.md" "$root/__init__.py" "$root/__main__.py" \
+    "$root/py.typed" "$src/"
 for package in archiver handlers server training; do
     if [ -d "$root/$package" ]; then cp -R "$root/$package" "$src/"; fi
 done

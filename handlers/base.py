@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from archiver.manifest import Manifest
-from archiver.signature import Signature
+from scriptserve.archiver.manifest import Manifest
+from scriptserve.archiver.signature import Signature
 
 # Request ids: a random per-process prefix and a counter. uuid4() reads os.urandom, a system call
 # that drops and retakes the GIL on every request.
@@ -128,7 +128,7 @@ class BaseHandler:
 
     def initialize(self, context: Context) -> None:
         """Load the model. Called once per worker before any request."""
-        from handlers.backends import load_backend
+        from scriptserve.handlers.backends import load_backend
 
         self.context = context
         self.model = load_backend(
@@ -149,8 +149,8 @@ class BaseHandler:
         return list(outputs)
 
     def handle(self, requests: list[InferenceRequest], context: Context) -> list[InferenceResponse]:
-        """Run one batch; always returns exactly one response per request."""
-        self.context = context
+        """Run one batch; always returns exactly one response per request. `self.context` is the
+        one `initialize` set: the instance may be shared by several worker threads."""
         results = self.postprocess(self.inference(self.preprocess(requests)))
         if not isinstance(results, list) or len(results) != len(requests):
             got = len(results) if isinstance(results, list) else type(results).__name__

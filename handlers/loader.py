@@ -12,19 +12,21 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from archiver.manifest import Manifest
-from handlers import torchserve
-from handlers.base import BaseHandler, Context, HandlerError
-from handlers.torchserve import entry as torchserve_entry
+from scriptserve.archiver.manifest import Manifest
+from scriptserve.handlers.base import BaseHandler, Context, HandlerError
+from scriptserve.handlers.legacy_names import legacy_names
+from scriptserve.handlers.torchserve import entry as torchserve_entry
+from scriptserve.handlers.torchserve.adapter import TorchServeHandler
 
 BUILTIN_HANDLERS: dict[str, str] = {
-    "tensor": "handlers.tensor:TensorHandler",
-    "image_classifier": "handlers.image_classifier:ImageClassifierHandler",
+    "tensor": "scriptserve.handlers.tensor:TensorHandler",
+    "image_classifier": "scriptserve.handlers.image_classifier:ImageClassifierHandler",
 }
 
 
@@ -47,6 +49,10 @@ def read_model_config(root: Path, manifest: Manifest) -> dict[str, Any]:
     return data
 
 
+_ARCHIVE_MODULE_PREFIX = "scriptserve_handler_"
+"""Module names of handler files imported from archives start with this."""
+
+
 def _forget_helpers(names: set[str], model_dir: Path) -> None:
     """Drop the archive's helper modules from sys.modules; the handler keeps its references.
 
@@ -64,7 +70,7 @@ def _import_file(path: Path, model_dir: Path) -> Any:
     # A unique module name per archive file and content: two models with a handler.py must not
     # collide, and a handler rebuilt in place (a `no-archive` directory) must not be served stale.
     digest = hashlib.sha256(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:12]
-    module_name = f"scriptserve_handler_{path.stem}_{digest}"
+    module_name = f"{_ARCHIVE_MODULE_PREFIX}{path.stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -75,8 +81,8 @@ def _import_file(path: Path, model_dir: Path) -> Any:
     before = set(sys.modules)
     sys.path.insert(0, str(model_dir))
     try:
-        # TorchServe handlers import `ts`; the compatibility layer provides it while they load.
-        with torchserve.torchserve_scope():
+        # TorchServe handlers import `ts`, older scriptserve handlers `handlers.base`.
+        with legacy_names():
             spec.loader.exec_module(module)
     except Exception as exc:
         raise HandlerError(f"handler file {path.name!r} failed to import: {exc!r}") from None
@@ -145,3 +151,13 @@ def load_handler(context: Context) -> BaseHandler:
     handler = cls()
     handler.initialize(context)
     return handler
+
+
+def worker_scope(handler: BaseHandler) -> AbstractContextManager[None]:
+    """What a worker holds open for its whole life while it runs `handler`: the legacy import
+    names (`ts`, `handlers`) for handlers from archive files and TorchServe entry points, which
+    may import them lazily; nothing for the built-in handlers."""
+    from_archive = type(handler).__module__.startswith(_ARCHIVE_MODULE_PREFIX)
+    if from_archive or isinstance(handler, TorchServeHandler):
+        return legacy_names()
+    return nullcontext()

@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
-from handlers.backends import BackendError
-from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest, InferenceResponse
+from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
+from scriptserve.handlers.backends import BackendError
+from scriptserve.handlers.base import (
+    BaseHandler,
+    Context,
+    HandlerError,
+    InferenceRequest,
+    InferenceResponse,
+)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from training.data import load_splits
+from scriptserve.training.data import load_splits
 
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 

@@ -20,17 +20,17 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from server import snapshot
-from server.dataplane import DataPlane
-from server.grpc.server import GrpcServers
-from server.metrics import ServerMetrics
-from server.registry import ModelRegistry, find_archives
-from server.rest.guard import guarded
-from server.rest.inference import create_inference_app
-from server.rest.management import create_management_app
-from server.rest.metrics import create_metrics_app
-from server.security import resolve_keys
-from server.settings import ServerSettings, parse_address
+from scriptserve.server import snapshot
+from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.grpc.server import GrpcServers
+from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.registry import ModelRegistry, find_archives
+from scriptserve.server.rest.guard import guarded
+from scriptserve.server.rest.inference import create_inference_app
+from scriptserve.server.rest.management import create_management_app
+from scriptserve.server.rest.metrics import create_metrics_app
+from scriptserve.server.security import resolve_keys
+from scriptserve.server.settings import ServerSettings, parse_address
 
 log = logging.getLogger("scriptserve.app")
 

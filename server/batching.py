@@ -16,8 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from handlers.base import InferenceRequest, InferenceResponse
-from server.errors import ModelNotReady, QueueFull
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.server.errors import ModelNotReady, QueueFull
 
 
 @dataclass(eq=False)

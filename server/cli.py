@@ -3,7 +3,7 @@
 - `scriptserve serve --model-store DIR --models all`
 - `scriptserve archive create|inspect|verify ...`
 - `scriptserve predict ARCHIVE --input FILE.json`
-- `scriptserve train ...` (runs `python -m training ...`)
+- `scriptserve train ...` (runs `python -m scriptserve.training ...`)
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from archiver.archive import open_archive
-from archiver.cli import USER_ERRORS, add_archive_subcommands, fail, run_archive_command
-from handlers.backends import BackendError
-from handlers.base import Context, HandlerError, InferenceRequest
-from handlers.loader import load_handler, read_model_config
-from server.settings import load_settings
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.cli import USER_ERRORS, add_archive_subcommands, fail, run_archive_command
+from scriptserve.handlers.backends import BackendError
+from scriptserve.handlers.base import Context, HandlerError, InferenceRequest
+from scriptserve.handlers.loader import load_handler, read_model_config, worker_scope
+from scriptserve.server.settings import load_settings
 
 
 def predict(archive: Path, input_file: Path, device: str) -> object:
@@ -38,9 +38,10 @@ def predict(archive: Path, input_file: Path, device: str) -> object:
             device=device,
         )
         handler = load_handler(context)
-        (response,) = handler.handle(
-            [InferenceRequest(body=body, content_type="application/json")], context
-        )
+        with worker_scope(handler):
+            (response,) = handler.handle(
+                [InferenceRequest(body=body, content_type="application/json")], context
+            )
     if response.error is not None:
         raise HandlerError(response.error, response.status)
     if response.body is not None:
@@ -109,8 +110,8 @@ _SERVE_KEYS = (
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from server.app import StartupError, run
-    from server.security import SecurityConfigError
+    from scriptserve.server.app import StartupError, run
+    from scriptserve.server.security import SecurityConfigError
 
     try:
         settings = load_settings(args.config, **{k: getattr(args, k) for k in _SERVE_KEYS})
@@ -121,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if settings.ts_config is not None:
-        from server.tsconfig import report_ts_config
+        from scriptserve.server.tsconfig import report_ts_config
 
         report_ts_config(settings.ts_config)
     try:
@@ -151,14 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "train",
         add_help=False,
-        help="train a digits model into archives (python -m training; see its --help)",
+        help="train a digits model into archives (python -m scriptserve.training; see its --help)",
     )
     return parser
 
 
 def train(args: Sequence[str]) -> int:
-    """Replace this process with `python -m training ARGS` (the server never imports training)."""
-    os.execv(sys.executable, [sys.executable, "-m", "training", *args])
+    """Replace this process with `python -m scriptserve.training ARGS` (the server never imports
+    the training package)."""
+    os.execv(sys.executable, [sys.executable, "-m", "scriptserve.training", *args])
     return 1  # not reached: execv returns only by raising OSError
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from archiver import __version__
-from handlers.base import InferenceRequest, InferenceResponse
-from server.batching import DynamicBatcher, Job
-from server.description import ModelMetadata, describe_version, quantization_parameters
-from server.errors import (
+from scriptserve import __version__
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.server.batching import DynamicBatcher, Job
+from scriptserve.server.description import ModelMetadata, describe_version, quantization_parameters
+from scriptserve.server.errors import (
     DeadlineExceeded,
     InvalidInput,
     MethodNotAllowed,
@@ -28,10 +28,10 @@ from server.errors import (
     ServingError,
     error_for_status,
 )
-from server.metrics import ServerMetrics
-from server.registry import ModelRegistry, ModelState, ModelVersion
-from server.security import fetch_archive, is_url
-from server.settings import ServerSettings
+from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
+from scriptserve.server.security import fetch_archive, is_url
+from scriptserve.server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.dataplane")
 

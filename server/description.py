@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from archiver.signature import TensorSpec
-from server.registry import ModelVersion
+from scriptserve.archiver.signature import TensorSpec
+from scriptserve.server.registry import ModelVersion
 
 
 @dataclass(frozen=True)

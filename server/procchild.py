@@ -24,11 +24,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from archiver.manifest import Manifest
-from handlers.backends import BackendError
-from handlers.base import BaseHandler, Context, HandlerError, InferenceResponse
-from handlers.loader import load_handler
-from server import shmframes
+from scriptserve.archiver.manifest import Manifest
+from scriptserve.handlers.backends import BackendError
+from scriptserve.handlers.base import BaseHandler, Context, HandlerError, InferenceResponse
+from scriptserve.handlers.loader import load_handler, worker_scope
+from scriptserve.server import shmframes
 
 log = logging.getLogger("scriptserve.procworker")
 
@@ -190,7 +190,8 @@ def child_main(conn: Connection, spec: ChildSpec) -> None:
         conn.send(("error", f"the handler failed to load: {type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", os.getpid()))
-    _serve(conn, handler, context)
+    with worker_scope(handler):
+        _serve(conn, handler, context)
     # Skip the interpreter's teardown of torch and friends (seconds on a busy machine): the
     # handler has no cleanup hook, and the server waits for this exit when it shuts down.
     logging.shutdown()

@@ -37,13 +37,13 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from handlers.base import HandlerError, InferenceResponse
-from server import shmframes
-from server.batching import DynamicBatcher, Job
-from server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
-from server.metrics import VersionMetrics
-from server.procchild import ChildSpec, child_main
-from server.workers import deliver, describe_worker, fail_jobs
+from scriptserve.handlers.base import HandlerError, InferenceResponse
+from scriptserve.server import shmframes
+from scriptserve.server.batching import DynamicBatcher, Job
+from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
+from scriptserve.server.metrics import VersionMetrics
+from scriptserve.server.procchild import ChildSpec, child_main
+from scriptserve.server.workers import deliver, describe_worker, fail_jobs
 
 log = logging.getLogger("scriptserve.procworkers")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from archiver.signature import SignatureError, datatype_of, numpy_dtype
-from server.errors import InvalidInput
+from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
+from scriptserve.server.errors import InvalidInput
 
 
 def tensor_dtype(name: str, datatype: str) -> np.dtype[Any]:

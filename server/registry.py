@@ -17,19 +17,25 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from archiver.archive import ArchiveError, ArchiveReader, open_archive
-from archiver.manifest import Manifest, ManifestError, check_model_name
-from archiver.quantize_cache import load_request, quantize_for_load
-from handlers.backends import BackendError
-from handlers.base import BaseHandler, Context, HandlerError
-from handlers.loader import handler_class, load_handler, read_model_config
-from server.batching import DynamicBatcher
-from server.errors import Conflict, InvalidInput, ModelNotFound, ModelNotReady, ServingError
-from server.metrics import ServerMetrics, VersionStats
-from server.procchild import ChildSpec
-from server.procworkers import ProcessWorkerPool, RestartPolicy
-from server.settings import ModelSettings, ServerSettings
-from server.workers import WorkerPool
+from scriptserve.archiver.archive import ArchiveError, ArchiveReader, open_archive
+from scriptserve.archiver.manifest import Manifest, ManifestError, check_model_name
+from scriptserve.archiver.quantize_cache import load_request, quantize_for_load
+from scriptserve.handlers.backends import BackendError
+from scriptserve.handlers.base import BaseHandler, Context, HandlerError
+from scriptserve.handlers.loader import handler_class, load_handler, read_model_config
+from scriptserve.server.batching import DynamicBatcher
+from scriptserve.server.errors import (
+    Conflict,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    ServingError,
+)
+from scriptserve.server.metrics import ServerMetrics, VersionStats
+from scriptserve.server.procchild import ChildSpec
+from scriptserve.server.procworkers import ProcessWorkerPool, RestartPolicy
+from scriptserve.server.settings import ModelSettings, ServerSettings
+from scriptserve.server.workers import WorkerPool
 
 log = logging.getLogger("scriptserve.registry")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urljoin, urlsplit
 
-from server.errors import (
+from scriptserve.server.errors import (
     Conflict,
     InvalidInput,
     PayloadTooLarge,
@@ -31,7 +31,7 @@ from server.errors import (
     ServingError,
     Unauthenticated,
 )
-from server.settings import ServerSettings, parse_address
+from scriptserve.server.settings import ServerSettings, parse_address
 
 log = logging.getLogger("scriptserve.security")
 

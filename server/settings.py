@@ -83,7 +83,7 @@ class _TsConfigSource(PydanticBaseSettingsSource):
     def __call__(self) -> dict[str, Any]:
         if not self._path:
             return {}
-        from server.tsconfig import TsConfigError, read_ts_config
+        from scriptserve.server.tsconfig import TsConfigError, read_ts_config
 
         try:
             return read_ts_config(Path(self._path)).settings

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 
 ALIGN = 64
 MIN_SEGMENT_BYTES = 1 << 20

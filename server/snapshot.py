@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from server.registry import ModelRegistry, ModelState
-from server.settings import ServerSettings
+from scriptserve.server.registry import ModelRegistry, ModelState
+from scriptserve.server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.snapshot")
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from handlers.backends import BackendError
-from handlers.base import BaseHandler, Context, HandlerError, InferenceResponse
-from server.batching import Batch, DynamicBatcher, Job
-from server.errors import DeadlineExceeded, ModelNotReady, ServingError
-from server.metrics import VersionMetrics
+from scriptserve.handlers.backends import BackendError
+from scriptserve.handlers.base import BaseHandler, Context, HandlerError, InferenceResponse
+from scriptserve.handlers.loader import worker_scope
+from scriptserve.server.batching import Batch, DynamicBatcher, Job
+from scriptserve.server.errors import DeadlineExceeded, ModelNotReady, ServingError
+from scriptserve.server.metrics import VersionMetrics
 
 log = logging.getLogger("scriptserve.workers")
 
@@ -201,6 +202,11 @@ class WorkerPool:
 
     # -- the worker thread ------------------------------------------------------------------
     def _run(self, worker: Worker) -> None:
+        with worker_scope(worker.handler):
+            self._serve(worker)
+        worker.state = WorkerState.STOPPED
+
+    def _serve(self, worker: Worker) -> None:
         while not worker.stop.is_set():
             batch = self.batcher.next_batch(worker.stop)
             if batch.expired:
@@ -217,7 +223,6 @@ class WorkerPool:
                         "timeout; its result was dropped",
                         self.model, self.version, worker.id, time.monotonic() - worker.busy_since,
                     )  # fmt: skip
-        worker.state = WorkerState.STOPPED
 
     # -- the watchdog -----------------------------------------------------------------------
     def _watch(self) -> None:

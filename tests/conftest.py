@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from testmodels import TinyMLP, reference_output, save_onnx, save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 __all__ = ["TinyMLP", "reference_output", "save_onnx", "save_torchscript"]
 

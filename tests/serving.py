@@ -44,7 +44,7 @@ class ServerProcess:
 
     def start(self, wait_ready: bool = True, timeout_s: float = 60.0) -> ServerProcess:
         cmd = [
-            sys.executable, "-m", "server", "serve",
+            sys.executable, "-m", "scriptserve", "serve",
             "--model-store", str(self.store),
             "--inference-address", f"127.0.0.1:{self.ports[0]}",
             "--management-address", f"127.0.0.1:{self.ports[1]}",

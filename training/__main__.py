@@ -1,9 +1,9 @@
-"""`python -m training ...` (also `scriptserve train ...` and `torchrun -m training ...`)."""
+"""`python -m scriptserve.training ...`, also `scriptserve train ...` and `torchrun -m ...`."""
 
 from __future__ import annotations
 
 import sys
 
-from training.cli import main
+from scriptserve.training.cli import main
 
 sys.exit(main())

@@ -20,10 +20,16 @@ from typing import Any
 import numpy as np
 import yaml
 
-from archiver.archive import ArchiveFormat, ArchiveSpec, build_archive
-from archiver.manifest import Manifest, ModelFormat, ModelInfo, Quantization, ScriptserveInfo
-from archiver.model_file import probe_model
-from training.export import INPUT_NAME, Exported
+from scriptserve.archiver.archive import ArchiveFormat, ArchiveSpec, build_archive
+from scriptserve.archiver.manifest import (
+    Manifest,
+    ModelFormat,
+    ModelInfo,
+    Quantization,
+    ScriptserveInfo,
+)
+from scriptserve.archiver.model_file import probe_model
+from scriptserve.training.export import INPUT_NAME, Exported
 
 HANDLER = "image_classifier"
 ARCHIVE_SUFFIX = {"torchscript": "", "traced": "-traced", "onnx": "-onnx", "int8": "-int8"}

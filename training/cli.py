@@ -1,4 +1,4 @@
-"""`python -m training` / `scriptserve train`: train on the digits and write served archives.
+"""`scriptserve train` / `python -m scriptserve.training`: train on the digits, write archives.
 
 Exit codes: 0 success, 2 usage error (argparse), 1 failure with a one-line reason.
 """
@@ -11,13 +11,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.export import FORMATS, ExportError
-from training.models import MODELS
+from scriptserve.training.export import FORMATS, ExportError
+from scriptserve.training.models import MODELS
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m training",
+        prog="python -m scriptserve.training",
         description="Train a digits classifier and write TorchScript / ONNX / int8 archives.",
     )
     p.add_argument("--model", default="lenet", choices=sorted(MODELS), help="default lenet")
@@ -68,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from training.distributed import dist_info
+    from scriptserve.training.distributed import dist_info
 
     rank = dist_info().rank
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s",
     )
-    from training.run import TrainConfig, train
+    from scriptserve.training.run import TrainConfig, train
 
     lr = args.lr if args.lr is not None else (0.02 if args.optimizer == "sgd" else 0.002)
     config = TrainConfig(
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = train(config)
     except (ValueError, ExportError, OSError) as exc:
-        print(f"python -m training: error: {exc}", file=sys.stderr)
+        print(f"python -m scriptserve.training: error: {exc}", file=sys.stderr)
         return 1
     for path in result.archives:
         print(path)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from archiver.quantize import QuantizationError, ValidationSamples, quantize_model_file
+from scriptserve.archiver.quantize import QuantizationError, ValidationSamples, quantize_model_file
 
 TORCHSCRIPT_ATOL = 1e-4
 SCRIPT_VS_TRACE_ATOL = 1e-5

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from training.distributed import DistInfo, all_reduce_sum
+from scriptserve.training.distributed import DistInfo, all_reduce_sum
 
 log = logging.getLogger("training")
 

@@ -27,16 +27,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training import data
-from training.archives import ArchiveContents, build_model_archive, write_support_files
-from training.checkpoint import (
+from scriptserve.training import data
+from scriptserve.training.archives import ArchiveContents, build_model_archive, write_support_files
+from scriptserve.training.checkpoint import (
     CHECKPOINT_NAME,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from training.distributed import (
+from scriptserve.training.distributed import (
     DistInfo,
     barrier,
     destroy_process_group,
@@ -44,7 +44,7 @@ from training.distributed import (
     init_process_group,
     select_device,
 )
-from training.export import (
+from scriptserve.training.export import (
     FORMATS,
     Exported,
     ExportError,
@@ -54,9 +54,9 @@ from training.export import (
     export_traced,
     runner_for,
 )
-from training.loop import AmpPolicy, evaluate, make_optimizer, profiling, train_epoch
-from training.models import build_model
-from training.report import plot_curves, write_metrics
+from scriptserve.training.loop import AmpPolicy, evaluate, make_optimizer, profiling, train_epoch
+from scriptserve.training.models import build_model
+from scriptserve.training.report import plot_curves, write_metrics
 
 log = logging.getLogger("training")
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from archiver.manifest import ModelFormat
+from scriptserve.archiver.manifest import ModelFormat
 
 
 class BackendError(RuntimeError):
@@ -54,9 +54,9 @@ def load_backend(
     """Load a model file with the backend for its format."""
     parse_device(device)
     if fmt == "onnx":
-        from handlers.backends.onnx import OnnxBackend
+        from scriptserve.handlers.backends.onnx import OnnxBackend
 
         return OnnxBackend(path, device, intra_op_threads, options or {})
-    from handlers.backends.torchscript import TorchScriptBackend
+    from scriptserve.handlers.backends.torchscript import TorchScriptBackend
 
     return TorchScriptBackend(path, device, intra_op_threads, options or {})

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from archiver.model_file import ModelFileError, check_onnx_external_data
-from handlers.backends import BackendError, parse_device
+from scriptserve.archiver.model_file import ModelFileError, check_onnx_external_data
+from scriptserve.handlers.backends import BackendError, parse_device
 
 
 class OnnxBackend:

@@ -17,9 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from archiver.model_file import ModelFileError, interpreter_message, name_torchscript_outputs
-from archiver.quantize import QuantizationError, select_engine
-from handlers.backends import BackendError, parse_device
+from scriptserve.archiver.model_file import (
+    ModelFileError,
+    interpreter_message,
+    name_torchscript_outputs,
+)
+from scriptserve.archiver.quantize import QuantizationError, select_engine
+from scriptserve.handlers.backends import BackendError, parse_device
 
 _threads_lock = threading.Lock()
 

@@ -2,7 +2,8 @@
 
 TorchServe handlers import `ts.torch_handler.base_handler`, `ts.utils.util` and friends. Those
 modules live here, under `handlers.torchserve.ts`, and are visible as the top-level `ts` package
-only inside `torchserve_scope()`: while a TorchServe handler is imported, initialized or run.
+only inside `scriptserve.handlers.legacy_names()`: while a TorchServe handler is imported,
+initialized or run.
 Installing scriptserve never installs a top-level `ts` package, so a real TorchServe install
 beside it is left alone.
 
@@ -12,7 +13,3 @@ an archive's handler is TorchServe-style. See docs/migrating-from-torchserve.md.
 """
 
 from __future__ import annotations
-
-from handlers.torchserve.scope import torchserve_scope
-
-__all__ = ["torchserve_scope"]

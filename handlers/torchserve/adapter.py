@@ -24,15 +24,20 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from archiver import __version__
-from archiver.model_file import interpreter_message
-from handlers.backends import parse_device
-from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest, InferenceResponse
-from handlers.torchserve.scope import torchserve_scope
-from handlers.torchserve.ts.context import Context as TsContext
-from handlers.torchserve.ts.context import RequestProcessor
-from handlers.torchserve.ts.metrics import MetricsCache
-from handlers.torchserve.ts.utils.util import PredictionException
+from scriptserve import __version__
+from scriptserve.handlers.backends import parse_device
+from scriptserve.handlers.base import (
+    BaseHandler,
+    Context,
+    HandlerError,
+    InferenceRequest,
+    InferenceResponse,
+)
+from scriptserve.handlers.legacy_names import legacy_names
+from scriptserve.handlers.torchserve.ts.context import Context as TsContext
+from scriptserve.handlers.torchserve.ts.context import RequestProcessor
+from scriptserve.handlers.torchserve.ts.metrics import MetricsCache
+from scriptserve.handlers.torchserve.ts.utils.util import PredictionException
 
 log = logging.getLogger("scriptserve.torchserve")
 
@@ -149,7 +154,7 @@ class TorchServeHandler(BaseHandler):
             model_yaml_config=dict(context.model_config),
         )
         self.ts_context.system_properties["intra_op_threads"] = context.intra_op_threads
-        with torchserve_scope():
+        with legacy_names():
             handle, initialize = self.entry.build()
             try:
                 initialize(self.ts_context)
@@ -171,18 +176,21 @@ class TorchServeHandler(BaseHandler):
         ts_context.request_processor = [RequestProcessor(r.headers) for r in requests]
         data = [request_row(r) for r in requests]
         ids = ",".join(r.request_id for r in requests)
-        with torchserve_scope():
-            try:
-                results = self._handle(data, ts_context)
-            except PredictionException as exc:
-                log.warning("model=%s request_ids=%s %s", context.model_name, ids, exc.message)
-                raise HandlerError(exc.message, exc.error_code) from None
-            except HandlerError:
-                raise
-            except Exception as exc:
-                log.exception("model=%s request_ids=%s the handler raised", context.model_name, ids)
-                detail = interpreter_message(exc) if isinstance(exc, RuntimeError) else str(exc)
-                raise HandlerError(f"Prediction failed: {type(exc).__name__}: {detail}") from None
+        # The worker running this handler holds `legacy_names()` open for its whole life.
+        try:
+            results = self._handle(data, ts_context)
+        except PredictionException as exc:
+            log.warning("model=%s request_ids=%s %s", context.model_name, ids, exc.message)
+            raise HandlerError(exc.message, exc.error_code) from None
+        except HandlerError:
+            raise
+        except Exception as exc:
+            # The exception's text can hold paths and values: it goes to the log, with the
+            # request ids; the client learns that the handler failed, and how.
+            log.exception("model=%s request_ids=%s the handler raised", context.model_name, ids)
+            raise HandlerError(
+                f"Prediction failed: the handler raised {type(exc).__name__}"
+            ) from None
         if not isinstance(results, list):
             raise HandlerError(
                 f"Invalid model predict output: the handler returned {type(results).__name__}; "

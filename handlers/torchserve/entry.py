@@ -12,14 +12,15 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from archiver.manifest import Manifest
-from handlers.base import BaseHandler, HandlerError
-from handlers.torchserve.adapter import EntryPoint, TorchServeHandler
+from scriptserve.archiver.manifest import Manifest
+from scriptserve.handlers.base import BaseHandler, HandlerError
+from scriptserve.handlers.torchserve.adapter import EntryPoint, TorchServeHandler
 
+_TS_HANDLERS = "scriptserve.handlers.torchserve.ts.torch_handler"
 BUILTINS: dict[str, str] = {
-    "base_handler": "handlers.torchserve.ts.torch_handler.base_handler:BaseHandler",
-    "image_classifier": "handlers.torchserve.ts.torch_handler.image_classifier:ImageClassifier",
-    "text_classifier": "handlers.torchserve.ts.torch_handler.text_classifier:TextClassifier",
+    "base_handler": f"{_TS_HANDLERS}.base_handler:BaseHandler",
+    "image_classifier": f"{_TS_HANDLERS}.image_classifier:ImageClassifier",
+    "text_classifier": f"{_TS_HANDLERS}.text_classifier:TextClassifier",
 }
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from server.errors import ServingError
-from server.security import AccessKeys, Api
+from scriptserve.server.errors import ServingError
+from scriptserve.server.security import AccessKeys, Api
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 

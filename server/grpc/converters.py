@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from archiver.signature import TensorSpec, datatype_of
-from handlers.base import InferenceRequest
-from server.description import ModelMetadata
-from server.errors import InvalidInput
-from server.grpc._generated import open_inference_grpc_pb2 as oip
-from server.rawtensors import decode_raw, encode_raw, tensor_dtype
+from scriptserve.archiver.signature import TensorSpec, datatype_of
+from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.description import ModelMetadata
+from scriptserve.server.errors import InvalidInput
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
+from scriptserve.server.rawtensors import decode_raw, encode_raw, tensor_dtype
 
 # Which InferTensorContents field carries each datatype (FP16/BF16 travel raw only).
 _CONTENTS_FIELD = {

@@ -11,19 +11,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.dataplane import DataPlane
-from server.grpc._generated import inference_pb2, management_pb2, open_inference_grpc_pb2
-from server.grpc._generated import inference_pb2_grpc as ts_grpc
-from server.grpc._generated import management_pb2_grpc as mgmt_grpc
-from server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
-from server.grpc.auth import interceptors
-from server.grpc.servicers import (
+from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.grpc._generated import (
+    inference_pb2,
+    management_pb2,
+    open_inference_grpc_pb2,
+)
+from scriptserve.server.grpc._generated import inference_pb2_grpc as ts_grpc
+from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from scriptserve.server.grpc.auth import interceptors
+from scriptserve.server.grpc.servicers import (
     InferenceServicer,
     ManagementServicer,
     TorchServeInferenceServicer,
 )
-from server.security import AccessKeys
-from server.settings import ServerSettings
+from scriptserve.server.security import AccessKeys
+from scriptserve.server.settings import ServerSettings
 
 _OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 _TS = inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name

@@ -15,16 +15,16 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf import empty_pb2
 
-from handlers.base import InferenceResponse
-from server.dataplane import DEADLINE_SLACK_S, DataPlane, prediction_payload
-from server.errors import DeadlineExceeded, ServingError, error_for_status
-from server.grpc import converters
-from server.grpc._generated import inference_pb2 as ts
-from server.grpc._generated import inference_pb2_grpc as ts_grpc
-from server.grpc._generated import management_pb2 as mgmt
-from server.grpc._generated import management_pb2_grpc as mgmt_grpc
-from server.grpc._generated import open_inference_grpc_pb2 as oip
-from server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from scriptserve.handlers.base import InferenceResponse
+from scriptserve.server.dataplane import DEADLINE_SLACK_S, DataPlane, prediction_payload
+from scriptserve.server.errors import DeadlineExceeded, ServingError, error_for_status
+from scriptserve.server.grpc import converters
+from scriptserve.server.grpc._generated import inference_pb2 as ts
+from scriptserve.server.grpc._generated import inference_pb2_grpc as ts_grpc
+from scriptserve.server.grpc._generated import management_pb2 as mgmt
+from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
 
 R = TypeVar("R")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]

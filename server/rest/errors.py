@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
 
-from server.errors import InvalidInput, ServingError
+from scriptserve.server.errors import InvalidInput, ServingError
 
 
 def error_response(request: Request, error: ServingError) -> Response:

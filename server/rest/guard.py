@@ -13,8 +13,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import PayloadTooLarge, ServingError
-from server.security import AccessKeys, Api
+from scriptserve.server.errors import PayloadTooLarge, ServingError
+from scriptserve.server.security import AccessKeys, Api
 
 
 def error_body(path: str, error: ServingError) -> bytes:

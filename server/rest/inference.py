@@ -14,12 +14,12 @@ from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 from starlette.routing import request_response as starlette_request_response
 
-from handlers.base import InferenceRequest
-from server.dataplane import DataPlane, prediction_payload
-from server.errors import InvalidInput
-from server.rest import oip
-from server.rest.errors import install_error_handlers
-from server.settings import ServerSettings
+from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.dataplane import DataPlane, prediction_payload
+from scriptserve.server.errors import InvalidInput
+from scriptserve.server.rest import oip
+from scriptserve.server.rest.errors import install_error_handlers
+from scriptserve.server.settings import ServerSettings
 
 _JSON = "application/json"
 

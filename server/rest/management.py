@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import FastAPI, Query
 from starlette.responses import JSONResponse, Response
 
-from server.dataplane import DataPlane
-from server.rest.errors import install_error_handlers
-from server.settings import ServerSettings
+from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.rest.errors import install_error_handlers
+from scriptserve.server.settings import ServerSettings
 
 
 def _status(done: bool, message: str) -> Response:

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from archiver.signature import datatype_of
-from server.errors import InvalidInput
-from server.rawtensors import decode_raw, encode_raw, tensor_dtype
+from scriptserve.archiver.signature import datatype_of
+from scriptserve.server.errors import InvalidInput
+from scriptserve.server.rawtensors import decode_raw, encode_raw, tensor_dtype
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 

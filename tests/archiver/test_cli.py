@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from testmodels import save_onnx, save_torchscript
 
-from archiver.archive import open_archive
+from scriptserve.archiver.archive import open_archive
 
 
 def model_archiver(*args: str) -> subprocess.CompletedProcess[str]:

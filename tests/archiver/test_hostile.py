@@ -24,13 +24,13 @@ import pytest
 from onnx import TensorProto, helper
 from testmodels import save_torchscript
 
-from archiver.archive import ArchiveError, open_archive, sha256_file
-from archiver.cli import model_archiver_main
-from archiver.extract import ExtractionLimits, UnsafeArchiveError, safe_extract
-from archiver.manifest import MANIFEST_PATH, Manifest, ModelInfo, ScriptserveInfo
-from archiver.model_file import ModelFileError, check_onnx_external_data
-from handlers.base import HandlerError
-from server.cli import predict
+from scriptserve.archiver.archive import ArchiveError, open_archive, sha256_file
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.extract import ExtractionLimits, UnsafeArchiveError, safe_extract
+from scriptserve.archiver.manifest import MANIFEST_PATH, Manifest, ModelInfo, ScriptserveInfo
+from scriptserve.archiver.model_file import ModelFileError, check_onnx_external_data
+from scriptserve.handlers.base import HandlerError
+from scriptserve.server.cli import predict
 
 MANIFEST = Manifest(
     model=ModelInfo("hostile", "1.0", "tensor", serialized_file="model.pt")

@@ -14,16 +14,16 @@ import torch
 from testmodels import save_torchscript
 from torch import nn
 
-from archiver.archive import open_archive, sha256_file, verify_archive
-from archiver.cli import model_archiver_main
-from archiver.quantize import (
+from scriptserve.archiver.archive import open_archive, sha256_file, verify_archive
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.quantize import (
     QuantizationError,
     QuantizeOptions,
     Tolerance,
     ValidationSamples,
     quantize_model_file,
 )
-from archiver.quantize_cache import LoadRequest, load_request, quantize_cached
+from scriptserve.archiver.quantize_cache import LoadRequest, load_request, quantize_cached
 
 # int8 outputs of these models stay within this of fp32 on the fixed inputs below.
 TOLERANCE = 0.05

@@ -14,7 +14,7 @@ import pytest
 from conftest import ArchiveFactory
 from testmodels import reference_output
 
-from archiver.archive import (
+from scriptserve.archiver.archive import (
     ArchiveError,
     ArchiveFormat,
     ArchiveSpec,
@@ -22,9 +22,9 @@ from archiver.archive import (
     detect_format,
     open_archive,
 )
-from archiver.cli import model_archiver_main
-from archiver.manifest import CREATED_ON_FORMAT, MANIFEST_PATH, Manifest, ModelInfo
-from server.cli import predict
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.manifest import CREATED_ON_FORMAT, MANIFEST_PATH, Manifest, ModelInfo
+from scriptserve.server.cli import predict
 
 FORMATS = ["default", "zip-store", "tgz", "no-archive"]
 SAMPLE = np.full((1, 8), 0.5, dtype=np.float32)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from testmodels import reference_output, save_onnx, save_torchscript
 
-from archiver.archive import ArchiveFormat, detect_format, open_archive, verify_archive
-from server.cli import predict
+from scriptserve.archiver.archive import ArchiveFormat, detect_format, open_archive, verify_archive
+from scriptserve.server.cli import predict
 
 HANDLER = "from handlers.tensor import TensorHandler\n\n\nclass H(TensorHandler):\n    pass\n"
 SAMPLE = [0.25 * i for i in range(8)]

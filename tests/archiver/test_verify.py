@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ArchiveFactory
 
-from archiver.archive import ArchiveError, VerifyReport, open_archive, verify_archive
+from scriptserve.archiver.archive import ArchiveError, VerifyReport, open_archive, verify_archive
 
 Members = dict[str, bytes]
 

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
 from testmodels import save_onnx, save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 SLEEP, EXIT, KILL = 1234.0, 2345.0, 3456.0
 
@@ -37,7 +37,7 @@ import signal
 import time
 from pathlib import Path
 
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class ChaosHandler(TensorHandler):

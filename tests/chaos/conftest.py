@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class SlowHandler(TensorHandler):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.settings import ModelSettings, load_settings
+from scriptserve.server.settings import ModelSettings, load_settings
 
 
 def test_worker_mode_defaults_to_thread_and_follows_the_server_setting() -> None:

@@ -21,8 +21,8 @@ import yaml
 from serving import free_port
 from testmodels import reference_output, save_onnx, save_torchscript
 
-from archiver.cli import model_archiver_main
-from server.settings import ServerSettings, parse_address
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.server.settings import ServerSettings, parse_address
 from tests.docker.buildah import ROOT, BuiltImage, run
 
 # The first test also builds the image (about 2.5 minutes cold on 2 cores with overlay storage,

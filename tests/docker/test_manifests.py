@@ -13,7 +13,7 @@ import pytest
 import yaml
 from serving import ServerProcess
 
-from server.settings import ServerSettings, parse_address
+from scriptserve.server.settings import ServerSettings, parse_address
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

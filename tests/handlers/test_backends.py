@@ -11,8 +11,8 @@ import torch
 from conftest import TinyMLP, reference_output, save_onnx, save_torchscript
 from torch import nn
 
-from archiver.manifest import ModelFormat
-from handlers.backends import BackendError, ModelBackend, load_backend, parse_device
+from scriptserve.archiver.manifest import ModelFormat
+from scriptserve.handlers.backends import BackendError, ModelBackend, load_backend, parse_device
 
 OUTPUT_NAME: dict[ModelFormat, str] = {"torchscript": "output0", "onnx": "y"}
 

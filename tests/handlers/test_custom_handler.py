@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from conftest import ArchiveFactory, reference_output
 
-from archiver.archive import ArchiveReader, open_archive
-from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest
-from handlers.loader import handler_class, load_handler, read_model_config
+from scriptserve.archiver.archive import ArchiveReader, open_archive
+from scriptserve.handlers.base import BaseHandler, Context, HandlerError, InferenceRequest
+from scriptserve.handlers.loader import handler_class, load_handler, read_model_config
 
 # Labels each row with its argmax; the "handled_by" tag proves which class ran.
 ARGMAX_HANDLER = """
 import numpy as np
 
-from handlers.base import BaseHandler, InferenceResponse
+from scriptserve.handlers.base import BaseHandler, InferenceResponse
 
 
 class {name}(BaseHandler):
@@ -178,7 +178,7 @@ def test_supports_batching_false_is_readable_on_the_class(
     tmp_path: Path, torchscript_file: Path, make_archive: ArchiveFactory
 ) -> None:
     source = """
-        from handlers.base import BaseHandler
+        from scriptserve.handlers.base import BaseHandler
 
 
         class OneAtATime(BaseHandler):

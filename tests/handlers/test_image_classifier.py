@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from archiver.archive import open_archive
-from handlers.base import Context, InferenceRequest, InferenceResponse
-from handlers.image_classifier import ImageClassifierHandler
-from handlers.loader import load_handler, read_model_config
+from scriptserve.archiver.archive import open_archive
+from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
+from scriptserve.handlers.image_classifier import ImageClassifierHandler
+from scriptserve.handlers.loader import load_handler, read_model_config
 
 LABELS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -39,7 +39,7 @@ def handler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ImageClassifie
 
 
 def _served(root: Path) -> Iterator[ImageClassifierHandler]:
-    from archiver.cli import model_archiver_main
+    from scriptserve.archiver.cli import model_archiver_main
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

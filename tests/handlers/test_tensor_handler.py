@@ -15,13 +15,13 @@ import torch
 from conftest import ArchiveFactory, reference_output, save_torchscript
 from torch import nn
 
-from archiver.archive import open_archive
-from archiver.cli import model_archiver_main
-from archiver.manifest import Manifest
-from archiver.signature import Signature, TensorSpec
-from handlers.base import Context, InferenceRequest, InferenceResponse
-from handlers.loader import load_handler, read_model_config
-from handlers.tensor import TensorBatch, TensorHandler
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.manifest import Manifest
+from scriptserve.archiver.signature import Signature, TensorSpec
+from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
+from scriptserve.handlers.loader import load_handler, read_model_config
+from scriptserve.handlers.tensor import TensorBatch, TensorHandler
 
 OUTPUT_NAME = {"torchscript": "output0", "onnx": "y"}
 

@@ -144,7 +144,7 @@ def test_keys_never_logged(server: ServerProcess) -> None:
 # -- listening beyond loopback ----------------------------------------------------------------
 def serve_cmd(store: Path, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "server", "serve", "--model-store", str(store),
+        sys.executable, "-m", "scriptserve", "serve", "--model-store", str(store),
         "--models", "tiny.mar",
         "--management-address", f"127.0.0.1:{free_port()}",
         "--metrics-address", f"127.0.0.1:{free_port()}",

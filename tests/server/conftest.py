@@ -10,7 +10,7 @@ import pytest
 from serving import ServerProcess
 from testmodels import save_onnx, save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 
 def build_store(root: Path) -> Path:

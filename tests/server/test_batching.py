@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from handlers.base import InferenceRequest
-from server.batching import Batch, DynamicBatcher, Job
-from server.errors import ModelNotReady, QueueFull
+from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.batching import Batch, DynamicBatcher, Job
+from scriptserve.server.errors import ModelNotReady, QueueFull
 
 JobFactory = Callable[..., Job]
 

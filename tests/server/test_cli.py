@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from testmodels import reference_output, save_onnx, save_torchscript
 
-from archiver.manifest import MANIFEST_PATH
-from server.cli import main
+from scriptserve.archiver.manifest import MANIFEST_PATH
+from scriptserve.server.cli import main
 
 SAMPLE = [0.1 * i for i in range(8)]
 EXPECTED = reference_output(np.asarray([SAMPLE], dtype=np.float32))[0]

@@ -20,7 +20,7 @@ from serving import ServerProcess
 from testmodels import TinyMLP, reference_output, save_torchscript
 from tritonclient.utils import InferenceServerException
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 X = (np.arange(24, dtype=np.float32).reshape(3, 8) - 12) / 10
 OUTPUT = {"tiny": "output0", "tiny_onnx": "y"}
@@ -369,7 +369,7 @@ def test_metadata_of_unknown_model(server: ServerProcess, path: str) -> None:
 
 # -- handler failures and back-pressure, on a server of their own --------------------------------
 BOOM_HANDLER = """
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class BoomHandler(TensorHandler):
@@ -382,7 +382,7 @@ class BoomHandler(TensorHandler):
 """
 
 SHORT_HANDLER = """
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class ShortHandler(TensorHandler):
@@ -393,7 +393,7 @@ class ShortHandler(TensorHandler):
 SLOW_HANDLER = """
 import time
 
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class SlowHandler(TensorHandler):

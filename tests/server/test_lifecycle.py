@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
 from testmodels import SlowMLP, reference_output, save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 BROKEN_HANDLER = """\
 raise RuntimeError("broken on purpose")
@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class GatedHandler(TensorHandler):

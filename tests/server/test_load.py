@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
 from testmodels import SlowMLP, reference_output, save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 CLIENTS = 64
 MAX_BATCH = 4

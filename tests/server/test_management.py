@@ -16,7 +16,7 @@ import torch
 from serving import ServerProcess
 from testmodels import TinyMLP, reference_output, save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 X = np.linspace(-1, 1, 8, dtype=np.float32)
 

@@ -22,9 +22,9 @@ from tritonclient.grpc import service_pb2 as oip
 from tritonclient.grpc import service_pb2_grpc as oip_grpc
 from tsprotos import torchserve_stubs
 
-from archiver.archive import sha256_file
-from archiver.cli import model_archiver_main
-from archiver.quantize import ValidationSamples
+from scriptserve.archiver.archive import sha256_file
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.quantize import ValidationSamples
 
 TOLERANCE = 0.05
 """int8 outputs stay within this of fp32 on X."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.settings import ModelSettings, ServerSettings, load_settings
+from scriptserve.server.settings import ModelSettings, ServerSettings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +181,7 @@ def test_serve_with_bad_settings_exits_1_with_one_line(tmp_path: Path) -> None:
     ]
     for args, named in cases:
         result = subprocess.run(
-            [sys.executable, "-m", "server", "serve", "--model-store", str(tmp_path), *args],
+            [sys.executable, "-m", "scriptserve", "serve", "--model-store", str(tmp_path), *args],
             check=False,
             capture_output=True,
             text=True,

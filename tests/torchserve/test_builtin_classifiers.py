@@ -13,9 +13,9 @@ from PIL import Image
 from torch import nn
 from torchserve.tsarchives import torch_model_archiver
 
-from archiver.archive import open_archive
-from handlers.base import Context, HandlerError, InferenceRequest
-from handlers.loader import load_handler, read_model_config
+from scriptserve.archiver.archive import open_archive
+from scriptserve.handlers.base import Context, HandlerError, InferenceRequest
+from scriptserve.handlers.loader import load_handler, read_model_config
 
 LABELS = ["zero", "one", "two", "three", "four", "five"]
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -14,9 +14,9 @@ import torch
 from testmodels import TinyMLP, reference_output
 from torchserve.tsarchives import instance, torch_model_archiver, write
 
-from archiver.archive import open_archive
-from handlers.base import BaseHandler, Context, HandlerError, InferenceRequest
-from handlers.loader import load_handler, read_model_config
+from scriptserve.archiver.archive import open_archive
+from scriptserve.handlers.base import BaseHandler, Context, HandlerError, InferenceRequest
+from scriptserve.handlers.loader import load_handler, read_model_config
 
 
 @contextmanager
@@ -140,10 +140,10 @@ def test_eager_model_file_loads_a_state_dict_weights_only(ts_sources: Path, tmp_
 
 
 def test_ts_is_importable_only_inside_the_scope() -> None:
-    from handlers.torchserve import torchserve_scope
+    from scriptserve.handlers.legacy_names import legacy_names
 
     assert importlib.util.find_spec("ts") is None
-    with torchserve_scope():
+    with legacy_names():
         from ts.utils.util import PredictionException
 
         assert importlib.util.find_spec("ts") is not None
@@ -154,9 +154,11 @@ def test_ts_is_importable_only_inside_the_scope() -> None:
 
 
 def test_the_packages_scriptserve_installs_hold_no_top_level_ts() -> None:
-    from setuptools import find_packages
+    import tomllib
 
     root = Path(__file__).resolve().parents[2]
-    packages = find_packages(str(root), include=["archiver*", "handlers*", "server*", "training*"])
-    assert "handlers.torchserve.ts.torch_handler" in packages
-    assert not [p for p in packages if p == "ts" or p.startswith("ts.")]
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]
+    assert "scriptserve.handlers.torchserve.ts.torch_handler" in packages
+    assert all(p == "scriptserve" or p.startswith("scriptserve.") for p in packages)

@@ -16,8 +16,8 @@ from serving import ServerProcess
 from torchserve.tsarchives import instance
 from tsprotos import torchserve_stubs
 
-from server.settings import SettingsError, load_settings
-from server.tsconfig import TsConfigError, parse_properties, read_ts_config
+from scriptserve.server.settings import SettingsError, load_settings
+from scriptserve.server.tsconfig import TsConfigError, parse_properties, read_ts_config
 
 
 def properties(server: ServerProcess, store: Path, models: dict[str, object]) -> str:
@@ -54,7 +54,7 @@ def ts_server(ts_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **server.env}
     with server.log.open("wb") as log:
         server.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--ts-config", str(config)],
+            [sys.executable, "-m", "scriptserve", "serve", "--ts-config", str(config)],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
         )  # fmt: skip
     server.wait(lambda c: c.get(f"{server.url}/v2/health/ready").status_code == 200, 120)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from training.run import TrainConfig, TrainResult, train
+from scriptserve.training.run import TrainConfig, TrainResult, train
 
 # Six epochs on the whole training split: ~97 % test accuracy, a few seconds on 2 cores.
 SHORT_RUN = TrainConfig(model="lenet", epochs=6, seed=0, progress=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from serving import free_port
 
-from archiver.archive import verify_archive
-from training.checkpoint import load_checkpoint
+from scriptserve.archiver.archive import verify_archive
+from scriptserve.training.checkpoint import load_checkpoint
 
 QUICK = ["--epochs", "2", "--train-limit", "300", "--no-progress"]
 
@@ -26,7 +26,7 @@ def torchrun(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[st
 
 def test_two_ranks_end_with_identical_weights(tmp_path: Path) -> None:
     proc = torchrun(
-        "--standalone", "--nproc_per_node=2", "-m", "training", *QUICK,
+        "--standalone", "--nproc_per_node=2", "-m", "scriptserve.training", *QUICK,
         "--formats", "torchscript", "--out", str(tmp_path / "store"),
         "--digest-dir", str(tmp_path / "digests"),
     )  # fmt: skip
@@ -46,7 +46,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> Non
             "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             "--rdzv-conf=last_call_timeout=1",
-            "-m", "training", *QUICK, "--formats", "", "--out", str(out), *extra,
+            "-m", "scriptserve.training", *QUICK, "--formats", "", "--out", str(out), *extra,
         )  # fmt: skip
 
     failed_once = run(tmp_path / "restarted", "--fail-once-at-epoch", "1")

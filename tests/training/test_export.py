@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from archiver.archive import open_archive, verify_archive
-from training import data
-from training.checkpoint import load_checkpoint
-from training.export import (
+from scriptserve.archiver.archive import open_archive, verify_archive
+from scriptserve.training import data
+from scriptserve.training.checkpoint import load_checkpoint
+from scriptserve.training.export import (
     ONNX_ATOL,
     TORCHSCRIPT_ATOL,
     ExportError,
@@ -22,8 +22,8 @@ from training.export import (
     run_onnx,
     run_torchscript,
 )
-from training.models import Net
-from training.run import TrainConfig, TrainResult
+from scriptserve.training.models import Net
+from scriptserve.training.run import TrainConfig, TrainResult
 
 Trained = tuple[TrainConfig, TrainResult]
 

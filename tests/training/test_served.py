@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 from serving import ServerProcess
 
-from archiver.archive import open_archive
-from training import data
-from training.run import TrainConfig, TrainResult
+from scriptserve.archiver.archive import open_archive
+from scriptserve.training import data
+from scriptserve.training.run import TrainConfig, TrainResult
 
 Trained = tuple[TrainConfig, TrainResult]
 REPO = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from training import data
-from training.checkpoint import load_checkpoint, rng_state, set_rng_state
-from training.models import MLP, Net, build_model
-from training.run import TrainConfig, TrainResult, train, weights_digest
+from scriptserve.training import data
+from scriptserve.training.checkpoint import load_checkpoint, rng_state, set_rng_state
+from scriptserve.training.models import MLP, Net, build_model
+from scriptserve.training.run import TrainConfig, TrainResult, train, weights_digest
 
 SmallRun = Callable[..., TrainConfig]
 
@@ -167,7 +167,7 @@ def test_model_registry() -> None:
 
 def test_cli_refuses_unknown_format_before_training(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "training", "--formats", "torchscript,tflite",
+        [sys.executable, "-m", "scriptserve.training", "--formats", "torchscript,tflite",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
@@ -178,7 +178,7 @@ def test_cli_refuses_unknown_format_before_training(tmp_path: Path) -> None:
 
 def test_scriptserve_train_runs_the_training_cli(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "server", "train", "--model", "mlp", "--epochs", "1",
+        [sys.executable, "-m", "scriptserve", "train", "--model", "mlp", "--epochs", "1",
          "--train-limit", "200", "--formats", "torchscript", "--name", "tiny-digits",
          "--out", str(tmp_path), "--no-progress"],
         capture_output=True, text=True, timeout=240, check=False,

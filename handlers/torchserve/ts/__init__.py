@@ -1,4 +1,4 @@
-"""TorchServe's `ts` package as handlers see it (imported as `ts` inside `torchserve_scope`)."""
+"""TorchServe's `ts` package as handlers see it (imported as `ts` inside `legacy_names()`)."""
 
 from __future__ import annotations
 

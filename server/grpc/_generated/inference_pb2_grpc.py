@@ -4,7 +4,7 @@ import grpc
 import warnings
 
 from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2
-from server.grpc._generated import inference_pb2 as server_dot_grpc_dot___generated_dot_inference__pb2
+from scriptserve.server.grpc._generated import inference_pb2 as scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in server/grpc/_generated/inference_pb2_grpc.py depends on'
+        + ' but the generated code in scriptserve/server/grpc/_generated/inference_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,22 +38,22 @@ class InferenceAPIsServiceStub:
         self.Ping = channel.unary_unary(
                 '/org.pytorch.serve.grpc.inference.InferenceAPIsService/Ping',
                 request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.TorchServeHealthResponse.FromString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.TorchServeHealthResponse.FromString,
                 _registered_method=True)
         self.Predictions = channel.unary_unary(
                 '/org.pytorch.serve.grpc.inference.InferenceAPIsService/Predictions',
-                request_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
                 _registered_method=True)
         self.StreamPredictions = channel.unary_stream(
                 '/org.pytorch.serve.grpc.inference.InferenceAPIsService/StreamPredictions',
-                request_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
                 _registered_method=True)
         self.StreamPredictions2 = channel.stream_stream(
                 '/org.pytorch.serve.grpc.inference.InferenceAPIsService/StreamPredictions2',
-                request_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
                 _registered_method=True)
 
 
@@ -90,22 +90,22 @@ def add_InferenceAPIsServiceServicer_to_server(servicer, server):
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
                     request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.TorchServeHealthResponse.SerializeToString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.TorchServeHealthResponse.SerializeToString,
             ),
             'Predictions': grpc.unary_unary_rpc_method_handler(
                     servicer.Predictions,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.SerializeToString,
             ),
             'StreamPredictions': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamPredictions,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.SerializeToString,
             ),
             'StreamPredictions2': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamPredictions2,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,7 +134,7 @@ class InferenceAPIsService:
             target,
             '/org.pytorch.serve.grpc.inference.InferenceAPIsService/Ping',
             google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
-            server_dot_grpc_dot___generated_dot_inference__pb2.TorchServeHealthResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.TorchServeHealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -160,8 +160,8 @@ class InferenceAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.inference.InferenceAPIsService/Predictions',
-            server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -187,8 +187,8 @@ class InferenceAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.inference.InferenceAPIsService/StreamPredictions',
-            server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -214,8 +214,8 @@ class InferenceAPIsService:
             request_iterator,
             target,
             '/org.pytorch.serve.grpc.inference.InferenceAPIsService/StreamPredictions2',
-            server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionsRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_inference__pb2.PredictionResponse.FromString,
             options,
             channel_credentials,
             insecure,

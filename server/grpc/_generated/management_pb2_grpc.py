@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from server.grpc._generated import management_pb2 as server_dot_grpc_dot___generated_dot_management__pb2
+from scriptserve.server.grpc._generated import management_pb2 as scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in server/grpc/_generated/management_pb2_grpc.py depends on'
+        + ' but the generated code in scriptserve/server/grpc/_generated/management_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class ManagementAPIsServiceStub:
         """
         self.DescribeModel = channel.unary_unary(
                 '/org.pytorch.serve.grpc.management.ManagementAPIsService/DescribeModel',
-                request_serializer=server_dot_grpc_dot___generated_dot_management__pb2.DescribeModelRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.DescribeModelRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/org.pytorch.serve.grpc.management.ManagementAPIsService/ListModels',
-                request_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
         self.RegisterModel = channel.unary_unary(
                 '/org.pytorch.serve.grpc.management.ManagementAPIsService/RegisterModel',
-                request_serializer=server_dot_grpc_dot___generated_dot_management__pb2.RegisterModelRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.RegisterModelRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
         self.ScaleWorker = channel.unary_unary(
                 '/org.pytorch.serve.grpc.management.ManagementAPIsService/ScaleWorker',
-                request_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ScaleWorkerRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ScaleWorkerRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
         self.SetDefault = channel.unary_unary(
                 '/org.pytorch.serve.grpc.management.ManagementAPIsService/SetDefault',
-                request_serializer=server_dot_grpc_dot___generated_dot_management__pb2.SetDefaultRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.SetDefaultRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
         self.UnregisterModel = channel.unary_unary(
                 '/org.pytorch.serve.grpc.management.ManagementAPIsService/UnregisterModel',
-                request_serializer=server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,33 +110,33 @@ def add_ManagementAPIsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'DescribeModel': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeModel,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.DescribeModelRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.DescribeModelRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ListModelsRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ListModelsRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
             ),
             'RegisterModel': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterModel,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.RegisterModelRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.RegisterModelRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
             ),
             'ScaleWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.ScaleWorker,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.ScaleWorkerRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ScaleWorkerRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
             ),
             'SetDefault': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDefault,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.SetDefaultRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.SetDefaultRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
             ),
             'UnregisterModel': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterModel,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -164,8 +164,8 @@ class ManagementAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/DescribeModel',
-            server_dot_grpc_dot___generated_dot_management__pb2.DescribeModelRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.DescribeModelRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class ManagementAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/ListModels',
-            server_dot_grpc_dot___generated_dot_management__pb2.ListModelsRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ListModelsRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class ManagementAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/RegisterModel',
-            server_dot_grpc_dot___generated_dot_management__pb2.RegisterModelRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.RegisterModelRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -245,8 +245,8 @@ class ManagementAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/ScaleWorker',
-            server_dot_grpc_dot___generated_dot_management__pb2.ScaleWorkerRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ScaleWorkerRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -272,8 +272,8 @@ class ManagementAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/SetDefault',
-            server_dot_grpc_dot___generated_dot_management__pb2.SetDefaultRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.SetDefaultRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -299,8 +299,8 @@ class ManagementAPIsService:
             request,
             target,
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/UnregisterModel',
-            server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from server.grpc._generated import open_inference_grpc_pb2 as server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in server/grpc/_generated/open_inference_grpc_pb2_grpc.py depends on'
+        + ' but the generated code in scriptserve/server/grpc/_generated/open_inference_grpc_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class GRPCInferenceServiceStub:
         """
         self.ServerLive = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerLive',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveResponse.FromString,
                 _registered_method=True)
         self.ServerReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerReady',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyResponse.FromString,
                 _registered_method=True)
         self.ModelReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelReady',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyResponse.FromString,
                 _registered_method=True)
         self.ServerMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerMetadata',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelMetadata',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelInfer = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelInfer',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
         self.ModelStreamInfer = channel.stream_stream(
                 '/inference.GRPCInferenceService/ModelStreamInfer',
-                request_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.FromString,
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.FromString,
                 _registered_method=True)
 
 
@@ -123,38 +123,38 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ServerLive': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerLive,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveResponse.SerializeToString,
             ),
             'ServerReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerReady,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyResponse.SerializeToString,
             ),
             'ModelReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelReady,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyResponse.SerializeToString,
             ),
             'ServerMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerMetadata,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataResponse.SerializeToString,
             ),
             'ModelMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelMetadata,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataResponse.SerializeToString,
             ),
             'ModelInfer': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfer,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.SerializeToString,
             ),
             'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
                     servicer.ModelStreamInfer,
-                    request_deserializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
-                    response_serializer=server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.SerializeToString,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,8 +182,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerLive',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerLiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -209,8 +209,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerReady',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -236,8 +236,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelReady',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -263,8 +263,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerMetadata',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ServerMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -290,8 +290,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelMetadata',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -317,8 +317,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelInfer',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -344,8 +344,8 @@ class GRPCInferenceService:
             request_iterator,
             target,
             '/inference.GRPCInferenceService/ModelStreamInfer',
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
-            server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.FromString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelInferRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_open__inference__grpc__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
 from testmodels import save_torchscript
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 ROOT = Path(__file__).resolve().parents[3]
 PROTO_DIR = ROOT / "server" / "grpc" / "proto"
@@ -33,7 +33,7 @@ MAX_BATCH = 32
 SLOW_HANDLER = f"""
 import time
 
-from handlers.tensor import TensorHandler
+from scriptserve.handlers.tensor import TensorHandler
 
 
 class SlowHandler(TensorHandler):

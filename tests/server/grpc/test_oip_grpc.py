@@ -24,7 +24,7 @@ from testmodels import TinyMLP, reference_output, save_torchscript
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from archiver.cli import model_archiver_main
+from scriptserve.archiver.cli import model_archiver_main
 
 X = (np.arange(24, dtype=np.float32).reshape(3, 8) - 12) / 10
 OUTPUT = {"tiny": "output0", "tiny_onnx": "y"}

@@ -39,7 +39,7 @@ IPEX_AVAILABLE = False
 
 def setup_ort_session(model_pt_path: str, map_location: str | None, threads: int = 1) -> Any:
     """An onnxruntime session for the model, on `cuda:0` or the CPU (scriptserve's backend)."""
-    from handlers.backends.onnx import OnnxBackend
+    from scriptserve.handlers.backends.onnx import OnnxBackend
 
     device = "cuda:0" if map_location == "cuda" else "cpu"
     return OnnxBackend(Path(model_pt_path), device, threads, {}).session
@@ -119,7 +119,7 @@ class BaseHandler(abc.ABC):  # noqa: B024 - abstract in TorchServe too, without 
         self.initialized = True
 
     def _load_torchscript_model(self, model_pt_path: str) -> Any:
-        from handlers.backends.torchscript import TorchScriptBackend
+        from scriptserve.handlers.backends.torchscript import TorchScriptBackend
 
         device = str(self.device) if self.device is not None else "cpu"
         threads = int(self.context_property("intra_op_threads", 1))
