@@ -2,23 +2,27 @@
 
 `quantize: dynamic-int8` in a model config (or a registration's `quantize` parameter) asks for
 it; `quantize_for_load` returns the int8 file to serve and the manifest recording it. Entries
-are keyed by the source model's SHA-256 and the options, so a restart reuses them.
+are keyed by the source model's SHA-256 and the options, so a restart reuses them, and server
+replicas that share one cache directory convert each entry once: a file lock per entry (it
+holds across processes) guards the conversion, and files are written whole through a temporary
+name and `os.replace`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
-import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 from scriptserve.archiver.accuracy import (
     QuantizationError,
@@ -32,6 +36,7 @@ from scriptserve.archiver.quantize import (
     QuantizationReport,
     QuantizeOptions,
     convert,
+    converter_for,
     sha256_of,
 )
 
@@ -119,10 +124,6 @@ def _signature_sample(manifest: Manifest) -> dict[str, np.ndarray] | None:
     }
 
 
-_cache_locks: dict[str, threading.Lock] = {}
-_cache_guard = threading.Lock()
-
-
 def quantize_cached(
     src: Path,
     fmt: ModelFormat,
@@ -135,52 +136,106 @@ def quantize_cached(
     """The int8 file for `src` from `cache_dir`, converting (and caching) it on first use.
 
     Cache entries are `<sha256 of src>-<options digest>.{pt,onnx,json}`; a restart reuses them.
-    The accuracy guard is applied to the (cached or fresh) validation result."""
-    import onnxruntime
-    import torch
-
+    Server replicas may share `cache_dir`: one of them converts an entry while the others wait
+    for it, then reuse it. The accuracy guard is applied to the (cached or fresh) validation
+    result."""
+    converter = converter_for(fmt)
     source_sha = sha256_of(src)
-    key_data = {**request.options.key(), "validation": validation_sha256,
-                "torch": torch.__version__, "onnxruntime": onnxruntime.__version__}  # fmt: skip
+    key_data = {**request.options.key(), "validation": validation_sha256, **converter.versions()}
     digest = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:12]
     key = f"{source_sha}-{digest}"
-    model_path = cache_dir / f"{key}{'.onnx' if fmt == 'onnx' else '.pt'}"
+    model_path = cache_dir / f"{key}{converter.suffix}"
     report_path = cache_dir / f"{key}.json"
-    with _cache_guard:
-        lock = _cache_locks.setdefault(key, threading.Lock())
-    with lock:
-        report = _cached_report(model_path, report_path)
-        if report is None:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=model_path.suffix, dir=cache_dir)
-            os.close(fd)
-            tmp = Path(tmp_name)
-            try:
-                report = convert(src, tmp, fmt, sample_inputs, request.options, validation)
-                os.replace(tmp, model_path)
-            finally:
-                tmp.unlink(missing_ok=True)
-            report_tmp = report_path.with_suffix(".json.tmp")
-            report_tmp.write_text(json.dumps(report.to_dict(), indent=2))
-            os.replace(report_tmp, report_path)
-            log.info("converted %s to dynamic int8, cached as %s", src.name, model_path.name)
-        else:
-            log.info("dynamic int8 of %s loaded from the cache (%s)", src.name, model_path.name)
+    # Entries are only ever written whole (os.replace), so a finished one is read without the
+    # lock: replicas starting on a warm cache never touch it.
+    report = _cached_report(model_path, report_path, warn=False)
+    if report is None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _entry_lock(cache_dir / f"{key}.lock", src.name):
+            # Another replica's entry, when it converted while this one waited for the lock.
+            report = _cached_report(model_path, report_path, warn=True)
+            if report is None:
+                report = _convert_entry(
+                    src=src,
+                    fmt=fmt,
+                    model_path=model_path,
+                    report_path=report_path,
+                    sample=sample_inputs,
+                    options=request.options,
+                    validation=validation,
+                )
+    if report.cached:
+        log.info("dynamic int8 of %s loaded from the cache (%s)", src.name, model_path.name)
     if report.validation is not None:
         check_tolerance(report.validation, request.tolerance)
     return model_path, report
 
 
-def _cached_report(model_path: Path, report_path: Path) -> QuantizationReport | None:
+@contextlib.contextmanager
+def _entry_lock(path: Path, model: str) -> Iterator[None]:
+    """One cache entry's lock, held across processes (a replica that dies releases it)."""
+    lock = FileLock(path)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        log.info("waiting for another process converting %s to dynamic int8", model)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _convert_entry(
+    *,
+    src: Path,
+    fmt: ModelFormat,
+    model_path: Path,
+    report_path: Path,
+    sample: Mapping[str, np.ndarray],
+    options: QuantizeOptions,
+    validation: ValidationSamples | None,
+) -> QuantizationReport:
+    """Convert `src` and write the entry's model, then its report, each through a temporary
+    file of its own, so that a reader never sees a half-written file."""
+    tmp = _temporary(model_path)
+    try:
+        report = convert(src, tmp, fmt, sample, options, validation)
+        os.replace(tmp, model_path)
+        tmp = _temporary(report_path)
+        tmp.write_text(json.dumps(report.to_dict(), indent=2))
+        os.replace(tmp, report_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("converted %s to dynamic int8, cached as %s", src.name, model_path.name)
+    return report
+
+
+def _temporary(path: Path) -> Path:
+    """A new, empty file beside `path`, with its suffix, to write in full before `os.replace`."""
+    fd, name = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the entry from replicas of another user
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def _cached_report(model_path: Path, report_path: Path, *, warn: bool) -> QuantizationReport | None:
+    """The entry's report when its model file is the one the report describes, else None
+    (`warn`: say why a present entry is not used)."""
     if not (model_path.is_file() and report_path.is_file()):
         return None
     try:
         report = QuantizationReport.from_dict(json.loads(report_path.read_text()))
-    except (ValueError, TypeError) as exc:
-        log.warning("ignoring the unreadable cache entry %s: %s", report_path.name, exc)
+        intact = report.int8_sha256 == sha256_of(model_path)
+    except (OSError, ValueError, TypeError) as exc:
+        if warn:
+            log.warning("ignoring the unreadable cache entry %s: %s", report_path.name, exc)
         return None
-    if report.int8_sha256 != sha256_of(model_path):
-        log.warning("ignoring the cache entry %s: its model file changed", model_path.name)
+    if not intact:
+        if warn:
+            log.warning("ignoring the cache entry %s: its model file changed", model_path.name)
         return None
     return replace(report, cached=True)
 

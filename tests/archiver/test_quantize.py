@@ -1,5 +1,6 @@
 """archiver/quantize.py: dynamic int8 of TorchScript (scripted and eager) and ONNX files, the
-report, the nothing-to-quantize error, the accuracy guard, the cache, and `--quantize`."""
+report, the nothing-to-quantize error, the accuracy guard, and `--quantize`. The load-time cache
+is tests/archiver/test_quantize_cache.py."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from scriptserve.archiver.quantize import (
     QuantizeOptions,
     Tolerance,
     ValidationSamples,
+    converter_for,
     quantize_model_file,
 )
-from scriptserve.archiver.quantize_cache import LoadRequest, load_request, quantize_cached
 
 # int8 outputs of these models stay within this of fp32 on the fixed inputs below.
 TOLERANCE = 0.05
@@ -213,6 +214,14 @@ def test_conv_only_model_has_nothing_to_quantize(tmp_path: Path, fmt: str) -> No
     assert not dst.exists()
 
 
+def test_format_without_a_converter_is_refused_by_name(mlp_pt: Path, tmp_path: Path) -> None:
+    assert converter_for("onnx").suffix == ".onnx"
+    with pytest.raises(QuantizationError, match="not available for pt2 models") as exc:
+        quantize_model_file(mlp_pt, tmp_path / "q.pt2", "pt2", SAMPLE)  # type: ignore[arg-type]
+    assert "torchscript, onnx" in str(exc.value)
+    assert not (tmp_path / "q.pt2").exists()
+
+
 def test_no_deprecation_warning_escapes(mlp_pt: Path, tmp_path: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -270,38 +279,6 @@ def test_validation_file_round_trip_and_training_layout(tmp_path: Path) -> None:
     np.savez(tmp_path / "bad.npz", x=np.zeros((3, 4), np.float32), labels=np.arange(2))
     with pytest.raises(QuantizationError, match="same rows"):
         ValidationSamples.load(tmp_path / "bad.npz")
-
-
-# -- load-time request and cache -----------------------------------------------------------------
-def test_load_request_reads_config_and_registration() -> None:
-    assert load_request({}) is None
-    assert load_request({"quantize": "none"}) is None
-    config = {"quantize": "dynamic-int8", "quantizeMinTop1Agreement": 0.9, "quantizeMaxAbsDiff": 1}
-    request = load_request(config)
-    assert request is not None
-    assert request.tolerance == Tolerance(min_top1_agreement=0.9, max_abs_diff=1.0)
-    assert load_request({}, "dynamic-int8") is not None  # the registration parameter wins
-    with pytest.raises(QuantizationError, match="use one of none, dynamic-int8"):
-        load_request({}, "int4")
-    with pytest.raises(QuantizationError, match="invalid quantize setting"):
-        load_request({"quantize": "dynamic-int8", "quantizeMaxAbsDiff": "lots"})
-
-
-def test_cache_is_reused_and_keyed_by_options(mlp_pt: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    first, report = quantize_cached(mlp_pt, "torchscript", cache, SAMPLE, LoadRequest())
-    assert not report.cached and first.name.startswith(sha256_file(mlp_pt))
-    mtime = first.stat().st_mtime_ns
-    again, cached = quantize_cached(mlp_pt, "torchscript", cache, SAMPLE, LoadRequest())
-    assert (again, cached.cached, again.stat().st_mtime_ns) == (first, True, mtime)
-    assert cached.size_ratio == report.size_ratio
-    other = LoadRequest(QuantizeOptions(per_channel=True))
-    third, fresh = quantize_cached(mlp_pt, "torchscript", cache, SAMPLE, other)
-    assert third != first and not fresh.cached
-    # A damaged entry is converted again, not served.
-    first.write_bytes(b"damaged")
-    _, redone = quantize_cached(mlp_pt, "torchscript", cache, SAMPLE, LoadRequest())
-    assert not redone.cached
 
 
 # -- model-archiver --quantize --------------------------------------------------------------------
