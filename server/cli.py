@@ -15,13 +15,19 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
+from pydantic import SecretStr
+from pydantic.fields import FieldInfo
+
+from scriptserve import __version__
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import USER_ERRORS, add_archive_subcommands, fail, run_archive_command
 from scriptserve.handlers.backends import BackendError
-from scriptserve.handlers.base import Context, HandlerError, InferenceRequest
+from scriptserve.handlers.base import Context, HandlerError, InferenceRequest, run_batch
 from scriptserve.handlers.loader import load_handler, read_model_config, worker_scope
-from scriptserve.server.settings import load_settings
+from scriptserve.server.settings import FlagAliases, ServerSettings, load_settings
 
 
 def predict(archive: Path, input_file: Path, device: str) -> object:
@@ -39,9 +45,8 @@ def predict(archive: Path, input_file: Path, device: str) -> object:
         )
         handler = load_handler(context)
         with worker_scope(handler):
-            (response,) = handler.handle(
-                [InferenceRequest(body=body, content_type="application/json")], context
-            )
+            request = InferenceRequest(body=body, content_type="application/json")
+            (response,) = run_batch(handler, [request], context)
     if response.error is not None:
         raise HandlerError(response.error, response.status)
     if response.body is not None:
@@ -50,71 +55,91 @@ def predict(archive: Path, input_file: Path, device: str) -> object:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Command-line settings; each overrides the YAML file and SCRIPTSERVE_* variables."""
-    p.add_argument("--config", type=Path, help="YAML settings file")
-    p.add_argument(
-        "--ts-config",
-        type=Path,
-        help="TorchServe config.properties to take settings from (below --config)",
-    )
-    p.add_argument("--model-store", type=Path, help="directory of archives (default ./model_store)")
-    p.add_argument("--models", nargs="+", help="all | NAME=FILE | FILE ... (default all)")
-    p.add_argument("--inference-address", help="HOST:PORT (default 127.0.0.1:8080)")
-    p.add_argument("--management-address", help="HOST:PORT (default 127.0.0.1:8081)")
-    p.add_argument("--metrics-address", help="HOST:PORT (default 127.0.0.1:8082)")
-    p.add_argument("--grpc-inference-address", help="HOST:PORT (default 127.0.0.1:7070)")
-    p.add_argument("--grpc-management-address", help="HOST:PORT (default 127.0.0.1:7071)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--workers", dest="workers_per_model", type=int, help="workers per model")
-    p.add_argument("--intra-op-threads", type=int, help="threads per worker's model call")
-    p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--max-batch-delay", dest="max_batch_delay_ms", type=float, help="milliseconds")
-    p.add_argument("--queue-size", type=int, help="waiting requests per model before 503")
-    p.add_argument("--response-timeout", dest="response_timeout_s", type=float, help="seconds")
-    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds")
-    p.add_argument(
-        "--worker-mode", choices=["thread", "process"], help="default worker kind (thread)"
-    )
-    p.add_argument(
-        "--enable-model-api",
-        action="store_true",
-        default=None,
-        help="allow register/unregister through the management API",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=None,
-        help="check no key on any API, even beyond loopback (behind an authenticating proxy only)",
-    )
-    p.add_argument(
-        "--no-snapshot",
-        dest="restore_snapshot",
-        action="store_false",
-        default=None,
-        help="do not restore the models of the last snapshot",
-    )
-    p.add_argument("--key-file", type=Path, help="where keys generated at start are written")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    """One flag per ServerSettings field: `--its-name` (plus its FlagAliases), typed from its
+    annotation, its docstring as help. A flag given overrides the YAML file and `SCRIPTSERVE_*`
+    variables; one left out is None here and leaves them be."""
+    for name, field in ServerSettings.model_fields.items():
+        options = _flag_options(name, field)
+        if options is None:
+            continue
+        aliases = [
+            f for meta in field.metadata if isinstance(meta, FlagAliases) for f in meta.flags
+        ]
+        p.add_argument(f"--{name.replace('_', '-')}", *aliases, dest=name, default=None, **options)
 
 
-_SERVE_KEYS = (
-    "model_store", "models", "inference_address", "management_address", "metrics_address",
-    "grpc_inference_address", "grpc_management_address",
-    "device", "workers_per_model", "intra_op_threads", "max_batch_size", "max_batch_delay_ms",
-    "queue_size", "response_timeout_s", "drain_timeout_s", "enable_model_api", "log_level",
-    "worker_mode", "insecure_no_auth", "restore_snapshot", "key_file", "ts_config",
-)  # fmt: skip
+_METAVARS: dict[type, str] = {str: "TEXT", int: "N", float: "N", Path: "PATH"}
+
+
+def _flag_options(name: str, field: FieldInfo) -> dict[str, Any] | None:
+    """add_argument's options for a setting; None for a secret, which a command line would show
+    to every user of the machine (`ps`): keys come from the environment or a key file."""
+    kind = _without_none(field.annotation)
+    if kind is SecretStr:
+        return None
+    options: dict[str, Any] = {"help": _help(name, field)}
+    if kind is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    elif get_origin(kind) is Literal:
+        options["choices"] = get_args(kind)
+    elif get_origin(kind) is list:
+        options.update(nargs="+", type=get_args(kind)[0])
+    elif get_origin(kind) is dict:
+        options.update(type=_json_object, metavar="JSON")
+    elif kind in _METAVARS:
+        metavar = "HOST:PORT" if name.endswith("_address") else _METAVARS[kind]
+        options.update(type=kind, metavar=metavar)
+    else:
+        raise TypeError(f"setting {name}: no command-line form for {kind!r}")
+    return options
+
+
+def _without_none(annotation: Any) -> Any:
+    """`X | None` -> X."""
+    if get_origin(annotation) in (Union, UnionType):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        if len(kinds) == 1:
+            return kinds[0]
+    return annotation
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    """The field's docstring on one line, and its default."""
+    text = " ".join((field.description or "").split()).replace("%", "%%")
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, list):
+        default = " ".join(default)
+    elif isinstance(default, bool):
+        default = f"--{'' if default else 'no-'}{name.replace('_', '-')}"
+    if default in (None, "", {}):
+        return text
+    return f"{text} (default: {default})" if text else f"default: {default}"
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        data = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return data
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The settings tree with the `serve` flags given on top; raises SettingsError."""
+    given = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields}
+    return load_settings(**given)
 
 
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from scriptserve.server.app import StartupError, run
+    from scriptserve.server.app import ModelStoreError, StartupError, run
     from scriptserve.server.security import SecurityConfigError
 
     try:
-        settings = load_settings(args.config, **{k: getattr(args, k) for k in _SERVE_KEYS})
+        settings = settings_from_args(args)
     except (ValidationError, ValueError) as exc:
         fail("scriptserve serve", f"invalid settings: {exc}")
     logging.basicConfig(
@@ -122,12 +147,12 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if settings.ts_config is not None:
-        from scriptserve.server.tsconfig import report_ts_config
+        from scriptserve.server.torchserve_config import report_torchserve_config
 
-        report_ts_config(settings.ts_config)
+        report_torchserve_config(settings.ts_config)
     try:
         return run(settings)
-    except SecurityConfigError as exc:
+    except (SecurityConfigError, ModelStoreError) as exc:
         # Exit 2, as for a usage error: the command line or settings must change.
         print(f"scriptserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -137,8 +162,14 @@ def serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scriptserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"scriptserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(sub.add_parser("serve", help="serve the models of a model store"))
+    # No abbreviations: `--management-key` must not be taken for `--management-key-file`, and
+    # an abbreviation that works today would break when a setting is added.
+    serve_parser = sub.add_parser(
+        "serve", help="serve the models of a model store", allow_abbrev=False
+    )
+    add_serve_arguments(serve_parser)
     add_archive_subcommands(sub.add_parser("archive", help="create, inspect or verify archives"))
     p = sub.add_parser("predict", help="run one prediction in-process and print it as JSON")
     p.add_argument("archive", type=Path)

@@ -8,9 +8,8 @@ Read once in `main()` and passed down; nothing reads the environment at import t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -21,9 +20,30 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from scriptserve.server.model_settings import ModelSettings
+
+__all__ = [
+    "FlagAliases",
+    "ModelSettings",  # re-exported while callers import it from here; its module is its home
+    "ServerSettings",
+    "SettingsError",
+    "load_settings",
+    "parse_address",
+]
+
 
 class SettingsError(ValueError):
     """Settings that cannot be used; the message names each bad setting, on one line."""
+
+
+class FlagAliases:
+    """Other spellings of a setting's `scriptserve serve` flag, beside `--its-name`:
+
+    workers_per_model: Annotated[int | None, FlagAliases("--workers")] = None
+    """
+
+    def __init__(self, *flags: str) -> None:
+        self.flags = flags
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -70,7 +90,7 @@ class _YamlFileSource(PydanticBaseSettingsSource):
         return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-class _TsConfigSource(PydanticBaseSettingsSource):
+class _TorchServeConfigSource(PydanticBaseSettingsSource):
     """Values from the TorchServe config.properties named by the `ts_config` init argument."""
 
     def __init__(self, settings_cls: type[BaseSettings], init: InitSettingsSource) -> None:
@@ -83,20 +103,27 @@ class _TsConfigSource(PydanticBaseSettingsSource):
     def __call__(self) -> dict[str, Any]:
         if not self._path:
             return {}
-        from scriptserve.server.tsconfig import TsConfigError, read_ts_config
+        from scriptserve.server.torchserve_config import (
+            TorchServeConfigError,
+            read_torchserve_config,
+        )
 
         try:
-            return read_ts_config(Path(self._path)).settings
-        except TsConfigError as exc:
+            return read_torchserve_config(Path(self._path)).settings
+        except TorchServeConfigError as exc:
             raise SettingsError(str(exc)) from None
 
 
 class ServerSettings(BaseSettings):
-    """Everything the serving process can be told."""
+    """Everything the serving process can be told. Each field is a YAML key, a `SCRIPTSERVE_*`
+    variable and a `scriptserve serve --flag` (server/cli.py makes the flags from these fields:
+    the name in kebab case, the docstring as help); secrets have no flag."""
 
-    model_config = SettingsConfigDict(env_prefix="SCRIPTSERVE_", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="SCRIPTSERVE_", extra="forbid", use_attribute_docstrings=True
+    )
 
-    config_file: Path | None = None
+    config_file: Annotated[Path | None, FlagAliases("--config")] = None
     """YAML file with any of these settings (lowest precedence after the defaults)."""
 
     model_store: Path = Path("model_store")
@@ -108,11 +135,16 @@ class ServerSettings(BaseSettings):
     """Models to load at start: `all` (every archive in the store), `NAME=FILE`, or `FILE`."""
 
     inference_address: str = "127.0.0.1:8080"
+    """HOST:PORT of the inference API: TorchServe's and OIP v2 REST routes, health probes."""
     management_address: str = "127.0.0.1:8081"
+    """HOST:PORT of the management API (REST): register, scale, describe, unregister."""
     metrics_address: str = "127.0.0.1:8082"
+    """HOST:PORT of the Prometheus metrics endpoint."""
     grpc_inference_address: str = "127.0.0.1:7070"
-    """OIP v2 and TorchServe inference services, gRPC health and reflection."""
+    """HOST:PORT of the gRPC inference services (OIP v2 and TorchServe's), health and
+    reflection."""
     grpc_management_address: str = "127.0.0.1:7071"
+    """HOST:PORT of TorchServe's gRPC management service."""
     grpc_max_message_bytes: int = Field(default=64 << 20, ge=1024)
     """Largest gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED."""
 
@@ -120,30 +152,39 @@ class ServerSettings(BaseSettings):
     """`auto` uses every visible GPU (one worker each) when CUDA is available, else the CPU."""
     intra_op_threads: int = Field(default=1, ge=1)
     """Threads each worker's model call may use; workers x this stays within the cores."""
-    workers_per_model: int | None = Field(default=None, ge=1)
+    workers_per_model: Annotated[int | None, FlagAliases("--workers")] = Field(default=None, ge=1)
     """Default workers per model: cores / intra-op threads on CPU, one per GPU."""
 
     gil_switch_interval_ms: float = Field(default=1.0, gt=0)
     """How long a thread may hold the GIL while another waits for it (Python's default is 5 ms).
     A worker whose model call has finished waits this long, at most, for the event loop."""
     max_batch_size: int = Field(default=32, ge=1)
-    max_batch_delay_ms: float = Field(default=0.0, ge=0)
+    """Most requests one model call takes, unless a model's config (`batchSize`) or its
+    registration says otherwise."""
+    max_batch_delay_ms: Annotated[float, FlagAliases("--max-batch-delay")] = Field(
+        default=0.0, ge=0
+    )
     """How long a partial batch may wait for more requests; 0 never waits."""
     queue_size: int = Field(default=1000, ge=1)
     """Requests waiting per model version before new ones get 503 + Retry-After."""
-    response_timeout_s: float = Field(default=120.0, gt=0)
+    response_timeout_s: Annotated[float, FlagAliases("--response-timeout")] = Field(
+        default=120.0, gt=0
+    )
     """Deadline of one request from arrival to answer; clients may only shorten it."""
     worker_mode: Literal["thread", "process"] = "thread"
     """Default worker kind: `thread` (fastest, shared memory) or `process` (a child process per
     worker, fed through shared memory: a crash, OOM kill or hang takes down one worker, which
     is replaced). A model's config (`workerMode`) or its registration may choose otherwise."""
     worker_restart_backoff_s: float = Field(default=1.0, ge=0)
-    """First delay before a dead process worker is replaced; it doubles on each crash in a row."""
+    """First delay before a dead process worker (or a stuck thread worker whose replacement could
+    not load) is replaced again; it doubles on each failure in a row."""
     worker_restart_backoff_max_s: float = Field(default=30.0, ge=0)
+    """Longest delay before a dead process worker is replaced."""
     worker_max_restarts: int = Field(default=5, ge=0)
     """Worker crashes (or hangs) a model may have within `worker_restart_window_s`; one more and
     the model is marked FAILED instead of restarting again."""
     worker_restart_window_s: float = Field(default=300.0, gt=0)
+    """Seconds over which `worker_max_restarts` counts a model's worker crashes."""
     worker_stop_grace_s: float = Field(default=5.0, ge=0)
     """How long a stopping process worker may take to exit before it is killed (SIGKILL)."""
     max_abandoned_threads: int = Field(default=4, ge=0)
@@ -152,7 +193,7 @@ class ServerSettings(BaseSettings):
 
     enable_model_api: bool = False
     """Allow register / unregister through the management API (TorchServe's enable_model_api)."""
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: Annotated[float, FlagAliases("--drain-timeout")] = Field(default=30.0, ge=0)
     """On SIGTERM, how long in-flight requests may take to finish."""
     docs: bool = True
     """Serve /openapi.json and /docs."""
@@ -186,16 +227,17 @@ class ServerSettings(BaseSettings):
     """Time a registration's download may take, from connect to the last byte."""
     snapshot_dir: Path | None = None
     """Where the registered models are recorded on every change; default <model_store>/.snapshot."""
-    restore_snapshot: bool = True
+    restore_snapshot: Annotated[bool, FlagAliases("--snapshot")] = True
     """Load the last snapshot's models at start (when --models is left at `all`)."""
     ts_config: Path | None = None
     """A TorchServe config.properties to read settings from (below the YAML file; see
-    server/tsconfig.py for the keys it maps)."""
+    server/torchserve_config.py for the keys it maps)."""
     model_defaults: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict)
     """Per model name and version ("*" = any), TorchServe model-config keys (batchSize,
     maxBatchDelay, minWorkers, maxWorkers, responseTimeout, ...) that the archive's own config
     file overrides: TorchServe's config.properties `models`."""
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level of the log lines the server writes."""
 
     @field_validator(
         "inference_address",
@@ -208,6 +250,11 @@ class ServerSettings(BaseSettings):
     def _check_address(cls, value: str) -> str:
         parse_address(value)
         return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(
@@ -223,7 +270,7 @@ class ServerSettings(BaseSettings):
             init_settings,
             env_settings,
             _YamlFileSource(settings_cls, init_settings),
-            _TsConfigSource(settings_cls, init_settings),
+            _TorchServeConfigSource(settings_cls, init_settings),
         )
 
     def model_config_defaults(self, name: str, version: str) -> dict[str, Any]:
@@ -266,120 +313,3 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> ServerSe
         return ServerSettings(config_file=config_file, **given)
     except ValidationError as exc:
         raise SettingsError(_one_line(exc)) from None
-
-
-# TorchServe's model-config YAML keys (protocols.md 1.3.3) that the server honours.
-_ARCHIVE_KEYS = {
-    "batchSize": "batch_size",
-    "maxBatchDelay": "max_batch_delay_ms",
-    "minWorkers": "workers",
-    "responseTimeout": "response_timeout_s",
-    "jobQueueSize": "queue_size",
-    "maxWorkers": "max_workers",
-    "deviceType": "device_type",
-    "deviceIds": "device_ids",
-    "workerMode": "worker_mode",
-    "worker_mode": "worker_mode",
-}
-WORKER_MODES = ("thread", "process")
-
-
-def _device_ids(value: Any) -> tuple[int, ...]:
-    """deviceIds as a YAML list, or a comma-separated string."""
-    items = value.split(",") if isinstance(value, str) else value
-    return tuple(int(i) for i in items)
-
-
-_MODEL_TYPES: dict[str, Any] = {
-    "max_workers": int,
-    "device_type": lambda v: str(v).lower(),
-    "device_ids": _device_ids,
-}
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """How one model version is served: server defaults < archive config < registration."""
-
-    batch_size: int
-    max_batch_delay_ms: float
-    workers: int
-    response_timeout_s: float
-    queue_size: int
-    worker_mode: str = "thread"
-    max_workers: int | None = None
-    """TorchServe's maxWorkers: the most workers scaling may start; None = no limit."""
-    device_type: str | None = None
-    """`cpu` or `gpu` (TorchServe's deviceType); None = the server's devices."""
-    device_ids: tuple[int, ...] | None = None
-    """The GPUs this model may use (TorchServe's deviceIds); None = every visible one."""
-
-    def devices(self, available: list[str]) -> list[str]:
-        """The server's devices this model's workers may run on, round-robin."""
-        if self.device_type == "cpu":
-            return ["cpu"]
-        gpus = [d for d in available if d.startswith("cuda")]
-        if self.device_ids is not None:
-            gpus = [d for d in gpus if int(d.partition(":")[2] or 0) in self.device_ids]
-        if self.device_type == "gpu" and not gpus:
-            wanted = f" {list(self.device_ids)}" if self.device_ids is not None else ""
-            raise ValueError(f"deviceType gpu{wanted} asked for, but no such GPU is visible")
-        return gpus or available
-
-    @classmethod
-    def resolve(
-        cls,
-        server: ServerSettings,
-        archive_config: dict[str, Any],
-        overrides: dict[str, Any] | None = None,
-        gpus: int = 0,
-        batching: bool = True,
-        defaults: dict[str, Any] | None = None,
-    ) -> ModelSettings:
-        """`defaults` are TorchServe model-config keys from the server's config (its
-        config.properties `models`); the archive's config file wins over them."""
-        settings = cls(
-            batch_size=server.max_batch_size,
-            max_batch_delay_ms=server.max_batch_delay_ms,
-            workers=server.default_workers(gpus),
-            response_timeout_s=server.response_timeout_s,
-            queue_size=server.queue_size,
-            worker_mode=server.worker_mode,
-        )
-        values = {
-            _ARCHIVE_KEYS[k]: v
-            for config in (defaults or {}, archive_config)
-            for k, v in config.items()
-            if k in _ARCHIVE_KEYS
-        }
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        try:
-            converted = {
-                k: _MODEL_TYPES.get(k, type(getattr(settings, k)))(v) for k, v in values.items()
-            }
-            settings = replace(settings, **converted)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"invalid model setting: {exc}") from None
-        if "workers" not in values and settings.device_type == "cpu":
-            settings = replace(settings, workers=server.default_workers(0))
-        elif "workers" not in values and settings.device_ids and settings.device_type == "gpu":
-            settings = replace(settings, workers=len(settings.device_ids))
-        if not batching:
-            settings = replace(settings, batch_size=1)
-        for name in ("batch_size", "workers", "queue_size"):
-            if getattr(settings, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if settings.response_timeout_s <= 0 or settings.max_batch_delay_ms < 0:
-            raise ValueError("response_timeout must be > 0 and max_batch_delay >= 0")
-        if settings.max_workers is not None and settings.max_workers < settings.workers:
-            raise ValueError(
-                f"maxWorkers ({settings.max_workers}) must be at least minWorkers "
-                f"({settings.workers})"
-            )
-        if settings.device_type not in (None, "cpu", "gpu"):
-            raise ValueError(f"deviceType must be cpu or gpu (got {settings.device_type!r})")
-        if settings.worker_mode not in WORKER_MODES:
-            raise ValueError(
-                f"worker_mode must be 'thread' or 'process' (got {settings.worker_mode!r})"
-            )
-        return settings

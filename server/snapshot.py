@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import secrets
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ def capture(registry: ModelRegistry, store: Path) -> dict[str, Any]:
         if source.parent.resolve() == store.resolve():
             source = Path(source.name)
         workers = mv.pool.size if mv.pool else mv.settings.workers
-        entry = asdict(replace(mv.settings, workers=max(1, workers)))
+        entry = mv.settings.model_copy(update={"workers": max(1, workers)}).model_dump(mode="json")
         info = mv.manifest.scriptserve if mv.manifest else None
         if info is not None and info.quantization.details.get("appliedAt") == "load":
             entry["quantize"] = info.quantization.mode  # converted again at restore (cached)

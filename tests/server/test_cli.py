@@ -1,10 +1,15 @@
-"""`scriptserve archive create|inspect` and `scriptserve predict` through the console script."""
+"""The `scriptserve` command: `serve` flags made from the settings, `--version`, a model store
+checked at start, `archive create|inspect` and `predict` through the console script."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
+import socket
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -12,8 +17,10 @@ import numpy as np
 import pytest
 from testmodels import reference_output, save_onnx, save_torchscript
 
+from scriptserve import __version__
 from scriptserve.archiver.manifest import MANIFEST_PATH
-from scriptserve.server.cli import main
+from scriptserve.server.cli import add_serve_arguments, build_parser, main, settings_from_args
+from scriptserve.server.settings import ServerSettings
 
 SAMPLE = [0.1 * i for i in range(8)]
 EXPECTED = reference_output(np.asarray([SAMPLE], dtype=np.float32))[0]
@@ -200,3 +207,153 @@ def test_predict_on_an_unknown_device(store: Path) -> None:
         "tpu:0",
     )
     assert_error(done, "scriptserve predict", "unknown device 'tpu:0'")
+
+
+@pytest.fixture
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SCRIPTSERVE_* variable of the machine running the tests leaks into the settings."""
+    for name in list(os.environ):
+        if name.startswith("SCRIPTSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def serve_settings(*flags: str) -> ServerSettings:
+    """The settings `scriptserve serve FLAGS` would run with."""
+    return settings_from_args(build_parser().parse_args(["serve", *flags]))
+
+
+def test_version_prints_the_package_version() -> None:
+    done = scriptserve("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"scriptserve {__version__}\n"
+
+
+def test_every_setting_but_the_secrets_is_a_flag_that_defaults_to_not_given() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    given = vars(parser.parse_args([]))
+    secrets = {"management_key", "inference_key"}
+    assert set(given) == set(ServerSettings.model_fields) - secrets
+    assert set(given.values()) == {None}  # left out: the file and environment decide
+    usage = parser.format_usage()
+    for name in given:
+        assert f"--{name.replace('_', '-')} " in usage or f"--{name.replace('_', '-')}]" in usage
+
+
+# Flags that README, docs and the tests use: the same spelling, the same meaning.
+FLAGS_IN_USE: list[tuple[list[str], str, object]] = [
+    (["--model-store", "store"], "model_store", Path("store")),
+    (["--models", "a.mar", "b=c.mar"], "models", ["a.mar", "b=c.mar"]),
+    (["--inference-address", "127.0.0.1:9080"], "inference_address", "127.0.0.1:9080"),
+    (["--management-address", "127.0.0.1:9081"], "management_address", "127.0.0.1:9081"),
+    (["--metrics-address", "127.0.0.1:9082"], "metrics_address", "127.0.0.1:9082"),
+    (["--grpc-inference-address", "[::1]:9070"], "grpc_inference_address", "[::1]:9070"),
+    (["--grpc-management-address", "[::1]:9071"], "grpc_management_address", "[::1]:9071"),
+    (["--device", "cpu"], "device", "cpu"),
+    (["--workers", "3"], "workers_per_model", 3),
+    (["--intra-op-threads", "2"], "intra_op_threads", 2),
+    (["--max-batch-size", "8"], "max_batch_size", 8),
+    (["--max-batch-delay", "5"], "max_batch_delay_ms", 5.0),
+    (["--queue-size", "9"], "queue_size", 9),
+    (["--response-timeout", "7"], "response_timeout_s", 7.0),
+    (["--drain-timeout", "4"], "drain_timeout_s", 4.0),
+    (["--worker-mode", "process"], "worker_mode", "process"),
+    (["--enable-model-api"], "enable_model_api", True),
+    (["--insecure-no-auth"], "insecure_no_auth", True),
+    (["--no-snapshot"], "restore_snapshot", False),
+    (["--key-file", "keys.json"], "key_file", Path("keys.json")),
+    (["--log-level", "debug"], "log_level", "debug"),
+    # Made from the settings as well: every field's own name, booleans both ways, JSON mappings.
+    (["--workers-per-model", "5"], "workers_per_model", 5),
+    (["--max-batch-delay-ms", "2.5"], "max_batch_delay_ms", 2.5),
+    (["--no-docs"], "docs", False),
+    (
+        ["--allowed-urls", "https://a/.*", "https://b/.*"],
+        "allowed_urls",
+        ["https://a/.*", "https://b/.*"],
+    ),
+    (
+        ["--model-defaults", '{"m": {"*": {"batchSize": 4}}}'],
+        "model_defaults",
+        {"m": {"*": {"batchSize": 4}}},
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "setting", "value"), FLAGS_IN_USE)
+@pytest.mark.usefixtures("clean_environment")
+def test_serve_flags_set_their_setting(flags: list[str], setting: str, value: object) -> None:
+    assert getattr(serve_settings(*flags), setting) == value
+
+
+@pytest.mark.usefixtures("clean_environment")
+def test_flags_given_win_over_file_and_environment_and_flags_left_out_do_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("queue_size: 10\nmax_batch_size: 8\nenable_model_api: true\ndocs: false\n")
+    monkeypatch.setenv("SCRIPTSERVE_MAX_BATCH_SIZE", "16")
+    s = serve_settings("--config", str(config))
+    assert (s.queue_size, s.max_batch_size, s.enable_model_api, s.docs) == (10, 16, True, False)
+    s = serve_settings(
+        "--config", str(config), "--queue-size", "30", "--max-batch-size", "4",
+        "--no-enable-model-api", "--docs",
+    )  # fmt: skip
+    assert (s.queue_size, s.max_batch_size, s.enable_model_api, s.docs) == (30, 4, False, True)
+
+
+@pytest.mark.usefixtures("clean_environment")
+def test_ts_config_flag_reads_torchserve_properties_below_the_other_flags(tmp_path: Path) -> None:
+    properties = tmp_path / "config.properties"
+    properties.write_text("job_queue_size=5\ndefault_response_timeout=9\n")
+    s = serve_settings("--ts-config", str(properties), "--response-timeout", "3")
+    assert (s.ts_config, s.queue_size, s.response_timeout_s) == (properties, 5, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        # Secrets are never flags (a command line is visible to every user of the machine), and
+        # no abbreviation turns --management-key into --management-key-file.
+        (["--management-key", "k"], "unrecognized arguments: --management-key"),
+        (["--inference-key", "k"], "unrecognized arguments: --inference-key"),
+        (["--max-batch", "3"], "unrecognized arguments: --max-batch"),
+        (["--model-defaults", "[1]"], "--model-defaults: expected a JSON object"),
+        (["--model-defaults", "{"], "--model-defaults: not valid JSON"),
+        (["--worker-mode", "fork"], "--worker-mode: invalid choice: 'fork'"),
+    ],
+)
+def test_flags_that_are_not_settings_are_usage_errors(
+    flags: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *flags])
+    assert info.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("store_is", ["missing", "a file"])
+def test_serve_refuses_a_model_store_that_is_not_a_directory_before_binding_a_port(
+    tmp_path: Path, store_is: str
+) -> None:
+    store = tmp_path / "nonexistent"
+    if store_is == "a file":
+        store.write_text("not a directory")
+    with socket.socket() as taken:
+        # The inference port is taken: a server that bound ports first would fail on it instead.
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "scriptserve", "serve", "--model-store", str(store),
+                "--inference-address", f"127.0.0.1:{taken.getsockname()[1]}",
+            ],
+            capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    expected = "does not exist" if store_is == "missing" else "is not a directory"
+    assert lines[0].startswith(f"scriptserve serve: error: model store {store} {expected}")
+    assert not (tmp_path / "key_file.json").exists()  # nothing started: no keys generated

@@ -1,4 +1,4 @@
-"""Settings: defaults < YAML file < SCRIPTSERVE_* environment < command line, and per model."""
+"""Server settings: defaults < YAML file < SCRIPTSERVE_* environment < command line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scriptserve.server.settings import ModelSettings, ServerSettings, load_settings
+from scriptserve.server.settings import load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -106,70 +106,11 @@ def test_invalid_values_are_errors() -> None:
         load_settings(device="tpu")
 
 
-def server_settings(**values: object) -> ServerSettings:
-    base: dict[str, object] = {
-        "max_batch_size": 32, "max_batch_delay_ms": 0.0, "workers_per_model": 2,
-        "response_timeout_s": 120.0, "queue_size": 1000,
-    }  # fmt: skip
-    return load_settings(**{**base, **values})
-
-
-def test_model_settings_start_from_the_server_defaults() -> None:
-    m = ModelSettings.resolve(server_settings(), {})
-    assert m == ModelSettings(
-        batch_size=32, max_batch_delay_ms=0.0, workers=2, response_timeout_s=120.0, queue_size=1000
-    )
-
-
-def test_default_workers_follow_cores_and_gpus() -> None:
-    s = load_settings(intra_op_threads=1)
-    import os
-
-    assert ModelSettings.resolve(s, {}).workers == max(1, os.cpu_count() or 1)
-    assert ModelSettings.resolve(s, {}, gpus=3).workers == 3
-
-
-def test_archive_config_overrides_the_server_and_registration_overrides_both() -> None:
-    archive = {
-        "batchSize": 8, "maxBatchDelay": 50, "minWorkers": 3, "responseTimeout": 10,
-        "jobQueueSize": 7, "maxWorkers": 9, "deviceType": "cpu",
-        "startupTimeout": 5,  # other keys are ignored
-    }  # fmt: skip
-    m = ModelSettings.resolve(server_settings(), archive)
-    assert m == ModelSettings(
-        batch_size=8, max_batch_delay_ms=50.0, workers=3, response_timeout_s=10.0, queue_size=7,
-        max_workers=9, device_type="cpu",
-    )  # fmt: skip
-    m = ModelSettings.resolve(
-        server_settings(), archive, {"batch_size": 4, "workers": None, "queue_size": 99}
-    )
-    assert (m.batch_size, m.workers, m.queue_size) == (4, 3, 99)  # None: not given
-
-
-def test_a_handler_that_cannot_batch_gets_batch_size_one() -> None:
-    m = ModelSettings.resolve(
-        server_settings(), {"batchSize": 8}, {"batch_size": 16}, batching=False
-    )
-    assert m.batch_size == 1
-
-
-@pytest.mark.parametrize(
-    ("archive", "overrides", "named"),
-    [
-        ({"batchSize": 0}, {}, "batch_size"),
-        ({}, {"batch_size": 0}, "batch_size"),
-        ({}, {"workers": 0}, "workers"),
-        ({"jobQueueSize": 0}, {}, "queue_size"),
-        ({"maxBatchDelay": -5}, {}, "max_batch_delay"),
-        ({"responseTimeout": 0}, {}, "response_timeout"),
-        ({"batchSize": "many"}, {}, "invalid model setting"),
-    ],
-)
-def test_invalid_model_settings_are_value_errors(
-    archive: dict[str, object], overrides: dict[str, object], named: str
-) -> None:
-    with pytest.raises(ValueError, match=named):
-        ModelSettings.resolve(server_settings(), archive, overrides)
+def test_log_level_is_one_of_loggings_names_in_any_case() -> None:
+    assert load_settings(log_level="DEBUG").log_level == "debug"
+    with pytest.raises(ValueError, match="log_level") as info:
+        load_settings(log_level="loud")
+    assert "'debug', 'info', 'warning' or 'error'" in str(info.value)
 
 
 def test_serve_with_bad_settings_exits_1_with_one_line(tmp_path: Path) -> None:
@@ -207,15 +148,3 @@ def test_config_file_can_come_from_the_environment(
     other = tmp_path / "other.yaml"
     other.write_text("queue_size: 5\n")
     assert load_settings(other).queue_size == 5
-
-
-def test_device_type_and_ids_choose_the_workers_devices() -> None:
-    available = ["cuda:0", "cuda:1", "cuda:2"]
-    cpu = ModelSettings.resolve(server_settings(), {"deviceType": "cpu"}, gpus=3)
-    assert cpu.devices(available) == ["cpu"]
-    gpu = ModelSettings.resolve(server_settings(), {"deviceType": "gpu", "deviceIds": [0, 2]})
-    assert (gpu.devices(available), gpu.workers) == (["cuda:0", "cuda:2"], 2)
-    with pytest.raises(ValueError, match="no such GPU is visible"):
-        gpu.devices(["cpu"])
-    with pytest.raises(ValueError, match=r"maxWorkers \(1\) must be at least minWorkers \(2\)"):
-        ModelSettings.resolve(server_settings(), {"minWorkers": 2, "maxWorkers": 1})

@@ -4,7 +4,7 @@
 `SCRIPTSERVE_*` variables and the command line override it. Keys with a scriptserve equivalent
 are mapped (`MAPPED`); every other key is reported once at start as ignored.
 
-    read_ts_config(Path("config.properties")).settings
+    read_torchserve_config(Path("config.properties")).settings
     # {"inference_address": "127.0.0.1:8080", "models": ["squeezenet.mar"], ...}
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-log = logging.getLogger("scriptserve.tsconfig")
+log = logging.getLogger("scriptserve.torchserve_config")
 
 
-class TsConfigError(ValueError):
+class TorchServeConfigError(ValueError):
     """A config.properties value that cannot be used; the message names the key."""
 
 
@@ -55,18 +55,20 @@ def _address(key: str, value: str) -> str:
     """TorchServe's `http(s)://host:port` -> `host:port`."""
     parts = urlsplit(value if "://" in value else f"http://{value}")
     if parts.scheme == "https":
-        raise TsConfigError(
+        raise TorchServeConfigError(
             f"{key}={value}: scriptserve serves plain HTTP; terminate TLS in front of it "
             "(an ingress or a proxy) and use http://"
         )
     if parts.scheme not in ("http", "") or not parts.hostname:
-        raise TsConfigError(f"{key}={value}: expected http://HOST:PORT")
+        raise TorchServeConfigError(f"{key}={value}: expected http://HOST:PORT")
     try:
         port = parts.port
     except ValueError:
-        raise TsConfigError(f"{key}={value}: the port must be a number") from None
+        raise TorchServeConfigError(f"{key}={value}: the port must be a number") from None
     if port is None:
-        raise TsConfigError(f"{key}={value}: the address needs a port, e.g. http://HOST:8080")
+        raise TorchServeConfigError(
+            f"{key}={value}: the address needs a port, e.g. http://HOST:8080"
+        )
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{host}:{port}"
 
@@ -74,14 +76,14 @@ def _address(key: str, value: str) -> str:
 def _bool(key: str, value: str) -> bool:
     if value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise TsConfigError(f"{key}={value}: expected true or false")
+    raise TorchServeConfigError(f"{key}={value}: expected true or false")
 
 
 def _int(key: str, value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise TsConfigError(f"{key}={value}: expected a whole number") from None
+        raise TorchServeConfigError(f"{key}={value}: expected a whole number") from None
 
 
 def _list(value: str) -> list[str]:
@@ -93,18 +95,18 @@ def _models(key: str, value: str) -> dict[str, dict[str, dict[str, Any]]]:
     try:
         data = json.loads(value)
     except ValueError as exc:
-        raise TsConfigError(f"{key}: not valid JSON ({exc})") from None
+        raise TorchServeConfigError(f"{key}: not valid JSON ({exc})") from None
     if not isinstance(data, dict) or not all(
         isinstance(v, dict) and all(isinstance(c, dict) for c in v.values()) for v in data.values()
     ):
-        raise TsConfigError(
+        raise TorchServeConfigError(
             f'{key}: expected {{"model": {{"version": {{"batchSize": 8, ...}}}}}} (JSON)'
         )
     return data
 
 
 @dataclass
-class TsConfig:
+class TorchServeConfig:
     """What a config.properties says, as scriptserve settings, and the keys left unused."""
 
     settings: dict[str, Any] = field(default_factory=dict)
@@ -133,8 +135,9 @@ _GRPC = {
 }
 
 
-def convert(props: dict[str, str]) -> TsConfig:
-    config = TsConfig()
+def map_properties(props: dict[str, str]) -> TorchServeConfig:
+    """The settings the properties map to, and the keys without a scriptserve equivalent."""
+    config = TorchServeConfig()
     for key, value in props.items():
         if key in MAPPED:
             setting, parse = MAPPED[key]
@@ -154,21 +157,21 @@ def convert(props: dict[str, str]) -> TsConfig:
     return config
 
 
-def read_ts_config(path: Path) -> TsConfig:
-    """Parse and map the file; raises TsConfigError naming the key at fault."""
+def read_torchserve_config(path: Path) -> TorchServeConfig:
+    """Parse and map the file; raises TorchServeConfigError naming the key at fault."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise TsConfigError(f"TorchServe config {path}: {exc.strerror}") from None
+        raise TorchServeConfigError(f"TorchServe config {path}: {exc.strerror}") from None
     try:
-        return convert(parse_properties(text))
-    except TsConfigError as exc:
-        raise TsConfigError(f"TorchServe config {path}: {exc}") from None
+        return map_properties(parse_properties(text))
+    except TorchServeConfigError as exc:
+        raise TorchServeConfigError(f"TorchServe config {path}: {exc}") from None
 
 
-def report_ts_config(path: Path) -> None:
+def report_torchserve_config(path: Path) -> None:
     """Log, on one line, which keys of the file were mapped and which are ignored."""
-    config = read_ts_config(path)
+    config = read_torchserve_config(path)
     log.info(
         "TorchServe config %s: using %s; ignoring %s",
         path, ", ".join(sorted(config.settings)) or "nothing",

@@ -17,7 +17,11 @@ from torchserve.tsarchives import instance
 from tsprotos import torchserve_stubs
 
 from scriptserve.server.settings import SettingsError, load_settings
-from scriptserve.server.tsconfig import TsConfigError, parse_properties, read_ts_config
+from scriptserve.server.torchserve_config import (
+    TorchServeConfigError,
+    parse_properties,
+    read_torchserve_config,
+)
 
 
 def properties(server: ServerProcess, store: Path, models: dict[str, object]) -> str:
@@ -124,7 +128,7 @@ def test_mapping_of_each_key(tmp_path: Path) -> None:
         "disable_token_authorization=false\n"
         "vmargs=-Xmx4g\n"
     )
-    config = read_ts_config(path)
+    config = read_torchserve_config(path)
     assert config.settings == {
         "inference_address": "0.0.0.0:9080",
         "grpc_inference_address": "127.0.0.1:9070",
@@ -166,7 +170,7 @@ def test_env_and_command_line_win_over_ts_config(
 def test_bad_values_name_the_key(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "config.properties"
     path.write_text(line + "\n")
-    with pytest.raises(TsConfigError, match=message):
-        read_ts_config(path)
+    with pytest.raises(TorchServeConfigError, match=message):
+        read_torchserve_config(path)
     with pytest.raises(SettingsError, match=message):
         load_settings(ts_config=path)
