@@ -14,11 +14,15 @@ A handler turns a batch of protocol-neutral `InferenceRequest`s into one `Infere
 result per request. A handler that cannot batch sets `supports_batching = False`. A handler that
 keeps no per-batch state on `self` sets `thread_safe = True`: the workers on one device then share
 one instance, and one copy of the model's weights.
+
+Workers never call `handle` directly: `run_batch` does, and turns whatever goes wrong into
+failed responses, so that every kind of worker reports a failure the same way.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +33,9 @@ import numpy as np
 
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.signature import Signature
+from scriptserve.handlers.backends import BackendError
+
+log = logging.getLogger("scriptserve.handlers")
 
 # Request ids: a random per-process prefix and a counter. uuid4() reads os.urandom, a system call
 # that drops and retakes the GIL on every request.
@@ -65,6 +72,9 @@ class InferenceRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
     request_id: str = field(default_factory=new_request_id)
+    outputs: list[str] | None = None
+    """The output tensors a tensor protocol asked for, by name ([]: every output); None when the
+    client takes the handler's answer as it is (TorchServe's predictions)."""
 
 
 @dataclass
@@ -159,3 +169,69 @@ class BaseHandler:
                 f"{len(requests)} requests; it must return a list with one result per request"
             )
         return results
+
+
+def run_batch(
+    handler: BaseHandler, requests: list[InferenceRequest], context: Context
+) -> list[InferenceResponse]:
+    """Run one batch through `handler.handle`: one InferenceResponse per request, always.
+
+    A HandlerError fails the batch with its own message and status (handler authors write those
+    for clients), a BackendError with its message. Any other exception is a bug in the handler:
+    it goes to the log with the model and the request ids, and each client learns only that the
+    handler failed and how, since the exception's text can hold paths and values. A result that
+    is not an InferenceResponse fails its own request. For a handler that raised ValueError::
+
+        run_batch(handler, [InferenceRequest(request_id="abc-1")], context)[0].error
+        # 'the handler failed: ValueError (request id abc-1); see the server log'
+    """
+    try:
+        results = handler.handle(requests, context)
+    except HandlerError as exc:
+        return [InferenceResponse.failed(exc.message, exc.status) for _ in requests]
+    except BackendError as exc:
+        return [InferenceResponse.failed(str(exc), 500) for _ in requests]
+    except Exception as exc:
+        log.exception(
+            "model=%s version=%s request_ids=%s the handler raised",
+            context.model_name, context.model_version, ",".join(r.request_id for r in requests),
+        )  # fmt: skip
+        kind = type(exc).__name__
+        return [
+            InferenceResponse.failed(
+                f"the handler failed: {kind} (request id {r.request_id}); see the server log", 500
+            )
+            for r in requests
+        ]
+    if not isinstance(results, list) or len(results) != len(requests):
+        got = len(results) if isinstance(results, list) else type(results).__name__
+        message = (
+            f"{type(handler).__name__}.handle returned {got} results for a batch of "
+            f"{len(requests)} requests; it must return a list with one result per request"
+        )
+        return [InferenceResponse.failed(message, 500) for _ in requests]
+    return [
+        result
+        if isinstance(result, InferenceResponse)
+        else InferenceResponse.failed(
+            f"the handler returned a {type(result).__name__} for request {request.request_id}, "
+            "not an InferenceResponse",
+            500,
+        )
+        for request, result in zip(requests, results, strict=True)
+    ]
+
+
+def load_failure(exc: Exception, model: str, version: str) -> HandlerError:
+    """What a handler that cannot be built or initialized is reported as.
+
+    HandlerError, BackendError, OSError and ValueError say what is wrong with the archive or the
+    model file and are kept. Anything else is a bug in the handler: it goes to the log, and the
+    reason given is its class name only, since its text can hold paths and values.
+    """
+    if isinstance(exc, HandlerError):
+        return exc
+    if isinstance(exc, (BackendError, OSError, ValueError)):
+        return HandlerError(str(exc))
+    log.error("model=%s version=%s the handler failed to load", model, version, exc_info=exc)
+    return HandlerError(f"the handler failed to load: {type(exc).__name__}; see the server log")

@@ -6,6 +6,7 @@ thread calls `next_batch`: it blocks for the first job, then takes whatever else
 that long; with 0 it never waits, so batches form only from requests that arrived while workers
 were busy. Jobs past their deadline are handed back separately, to be answered 504 without
 running; cancelled jobs (client gone, timed out) have already left the count and are dropped.
+`wait_empty` blocks until no job waits, without polling: what unloading a model waits on.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class DynamicBatcher:
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue_size = max_queue_size
         self._queue: deque[Job] = deque()
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._emptied = threading.Condition(lock)
+        """Notified when the last waiting job leaves the queue (taken, cancelled)."""
         self._pending = 0
         self._closed = False
         # Workers blocked in wait() and wake-ups sent to them but not yet taken: submit wakes a
@@ -81,11 +85,19 @@ class DynamicBatcher:
             if not job.taken and not job.cancelled:
                 job.cancelled = True
                 self._pending -= 1
+                if not self._pending:
+                    self._emptied.notify_all()
 
     def wake_all(self) -> None:
         """Wake blocked workers (to notice they were asked to stop)."""
         with self._cond:
             self._cond.notify_all()
+
+    def wait_empty(self, timeout_s: float) -> bool:
+        """Block until no job waits (each taken by a worker or cancelled), at most `timeout_s`;
+        True when none does."""
+        with self._cond:
+            return self._emptied.wait_for(lambda: not self._pending, timeout_s)
 
     def close(self) -> None:
         """Refuse new jobs; queued ones are still handed out."""
@@ -101,6 +113,7 @@ class DynamicBatcher:
                 job.taken = True
             self._queue.clear()
             self._pending = 0
+            self._emptied.notify_all()
             return jobs
 
     def _wait(self, timeout_s: float) -> None:
@@ -121,6 +134,8 @@ class DynamicBatcher:
             job.dequeued = now
             self._pending -= 1
             (batch.expired if job.deadline <= now else batch.jobs).append(job)
+        if not self._pending:
+            self._emptied.notify_all()
 
     def next_batch(self, stop: threading.Event, poll_s: float = 0.5) -> Batch:
         """Block until there is work or `stop` is set; return the batch (possibly empty)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scriptserve.archiver.signature import TensorSpec
-from scriptserve.server.registry import ModelVersion
+from scriptserve.server.registry import RegisteredVersion
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ModelMetadata:
     """`quantization` and, for int8, how it was made (docs/quantization.md)."""
 
 
-def quantization_parameters(mv: ModelVersion) -> dict[str, Any]:
+def quantization_parameters(mv: RegisteredVersion) -> dict[str, Any]:
     """Flat OIP-style parameters saying whether a version serves an int8 model."""
     info = mv.manifest.scriptserve if mv.manifest else None
     if info is None or not info.quantization.quantized:
@@ -38,7 +38,7 @@ def quantization_parameters(mv: ModelVersion) -> dict[str, Any]:
     return {k: v for k, v in found.items() if v is not None}
 
 
-def describe_version(mv: ModelVersion, is_default: bool, inflight: int) -> dict[str, Any]:
+def describe_version(mv: RegisteredVersion, is_default: bool, inflight: int) -> dict[str, Any]:
     """TorchServe's describe record of one version, with scriptserve's additions."""
     s = mv.settings
     manifest = mv.manifest

@@ -1,4 +1,5 @@
-"""DynamicBatcher on its own: queue bounds, batch formation, delays, deadlines, cancellation."""
+"""DynamicBatcher on its own: queue bounds, batch formation, delays, deadlines, cancellation,
+and waiting for the queue to empty."""
 
 from __future__ import annotations
 
@@ -103,7 +104,6 @@ def test_full_queue_raises_queue_full_with_retry_after(make_job: JobFactory) -> 
     with pytest.raises(QueueFull) as info:
         batcher.submit(make_job())
     assert info.value.status == 503
-    assert info.value.grpc_code == "UNAVAILABLE"
     assert info.value.headers["Retry-After"].isdigit()
     assert "full" in info.value.message
     assert batcher.depth == 2
@@ -237,4 +237,41 @@ def test_concurrent_consumers_take_every_job_exactly_once(make_job: JobFactory) 
     assert len(taken) == total
     assert set(taken) == {id(j) for j in jobs}
     assert max(sizes) <= 7
+    assert batcher.depth == 0
+
+
+def waiting_for_empty(batcher: DynamicBatcher, timeout_s: float = 10.0) -> queue.Queue[bool]:
+    """Call wait_empty from another thread; what it returns arrives on the returned queue."""
+    out: queue.Queue[bool] = queue.Queue()
+    threading.Thread(target=lambda: out.put(batcher.wait_empty(timeout_s)), daemon=True).start()
+    return out
+
+
+def test_wait_empty_returns_at_once_when_nothing_waits(make_job: JobFactory) -> None:
+    batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
+    assert batcher.wait_empty(0.0)
+    batcher.submit(make_job())
+    started = time.monotonic()
+    assert not batcher.wait_empty(0.05)  # a job still waits: it gives up at its timeout
+    assert time.monotonic() - started >= 0.05
+
+
+@pytest.mark.parametrize("how", ["taken", "cancelled", "take_all"])
+def test_wait_empty_wakes_when_the_last_job_leaves(make_job: JobFactory, how: str) -> None:
+    batcher = DynamicBatcher(max_batch_size=2, max_batch_delay_s=0, max_queue_size=100)
+    jobs = [make_job() for _ in range(3)]
+    for job in jobs:
+        batcher.submit(job)
+    out = waiting_for_empty(batcher)
+    if how == "taken":
+        assert len(batcher.next_batch(threading.Event()).jobs) == 2
+        assert out.empty()  # one job still waits
+        last = batcher.next_batch(threading.Event())
+        assert last.jobs == jobs[2:]
+    elif how == "cancelled":
+        for job in jobs:
+            batcher.cancel(job)
+    else:
+        batcher.take_all()
+    assert out.get(timeout=5) is True
     assert batcher.depth == 0

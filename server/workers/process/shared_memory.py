@@ -1,4 +1,4 @@
-"""Requests and responses laid out in shared memory for process workers.
+"""Requests and responses laid out in shared memory for worker processes.
 
 A batch crosses to a worker process as two parts: the bytes (tensor data, request bodies,
 multipart fields, response bodies) are copied once into a shared-memory segment, one after
@@ -48,6 +48,11 @@ class Frame:
         self._parts.append((offset, view))
         self.size = _aligned(offset + view.nbytes)
         return offset, view.nbytes
+
+    def clear(self) -> None:
+        """Forget every buffer added so far."""
+        self._parts.clear()
+        self.size = 0
 
     def write(self, buf: memoryview) -> None:
         for offset, view in self._parts:

@@ -1,0 +1,89 @@
+"""A model version the registry holds: one that loaded (`ModelVersion`), or one that did not
+(`FailedVersion`, kept with its reason when it was named at startup).
+
+A loaded version always has its manifest, settings, batcher and workers. It is READY while it
+serves, FAILED once its workers keep failing (its pool says why), UNLOADING once unregistered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from scriptserve.archiver.archive import ArchiveReader
+from scriptserve.archiver.manifest import Manifest
+from scriptserve.server.batching import DynamicBatcher
+from scriptserve.server.model_settings import ModelSettings
+from scriptserve.server.workers import AnyWorkerPool
+
+
+class ModelState(str, Enum):
+    READY = "READY"
+    FAILED = "FAILED"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """A loaded model version and its running workers."""
+
+    name: str
+    version: str
+    source: Path
+    manifest: Manifest
+    """As served: it records an int8 conversion made at load."""
+    settings: ModelSettings
+    reader: ArchiveReader
+    batcher: DynamicBatcher
+    pool: AnyWorkerPool
+    loaded_at_startup: bool = False
+    loaded_at: float = field(default_factory=time.time)
+    unloading: bool = False
+
+    @property
+    def state(self) -> ModelState:
+        if self.unloading:
+            return ModelState.UNLOADING
+        return ModelState.READY if self.pool.failed_reason is None else ModelState.FAILED
+
+    @property
+    def reason(self) -> str | None:
+        """Why the version failed while it ran; None while it has not."""
+        return self.pool.failed_reason
+
+    @property
+    def serving(self) -> bool:
+        """Requests are accepted: loaded, and at least one worker able to run them."""
+        return self.state is ModelState.READY and self.pool.live > 0
+
+    @property
+    def ready(self) -> bool:
+        """Readiness: serving at full capacity (no worker missing, e.g. one being replaced)."""
+        return self.serving and self.pool.live >= self.pool.size
+
+
+@dataclass(frozen=True, eq=False)
+class FailedVersion:
+    """A version that did not load, kept so that describe and health report it. It has no
+    manifest, settings, batcher or workers: those read as None."""
+
+    name: str
+    version: str
+    source: Path
+    reason: str
+    loaded_at_startup: bool = False
+    loaded_at: float = field(default_factory=time.time)
+
+    state = ModelState.FAILED
+    serving = False
+    ready = False
+    manifest: None = field(default=None, init=False)
+    settings: None = field(default=None, init=False)
+    batcher: None = field(default=None, init=False)
+    pool: None = field(default=None, init=False)
+
+
+RegisteredVersion = ModelVersion | FailedVersion
+"""What the registry lists: loaded versions, and versions named at startup that failed."""

@@ -1,0 +1,142 @@
+"""The worker process of `worker_mode: process`: load the handler, then run batches on request.
+
+It talks to its slot's thread in the server over one pipe, in small messages:
+
+- it sends `("ready", pid)` once its handler is loaded, or `("error", message)` and exits;
+- it receives `("run", requests_segment, responses_segment, responses_size, described)`, reads
+  the requests from shared memory, runs the batch (`run_batch`), writes the responses into the
+  responses segment and sends `("done", described_responses)`; when they do not fit it first
+  sends `("grow", bytes_needed)` and receives `("output", segment, size)`;
+- `("stop",)` or the pipe closing ends it. It also ends when the server process goes away,
+  even in the middle of a handler call, so no worker outlives its server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+from typing import Any
+
+from scriptserve.handlers.base import (
+    BaseHandler,
+    Context,
+    InferenceRequest,
+    InferenceResponse,
+    load_failure,
+    run_batch,
+)
+from scriptserve.handlers.loader import load_handler, worker_scope
+from scriptserve.server.workers.process import shared_memory as frames
+
+log = logging.getLogger("scriptserve.workers.child")
+
+_PARENT_CHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What a worker process needs to build its handler (pickled once, at spawn)."""
+
+    context: Context
+    """The handler's context, on the worker's device."""
+    log_level: int = logging.INFO
+    parent_pid: int = 0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the server is gone (reparented), even while a handler call never returns."""
+    while True:
+        time.sleep(_PARENT_CHECK_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+class _Segments:
+    """The segments this process has mapped, by name; the server creates and unlinks them."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, shared_memory.SharedMemory] = {}
+
+    def get(self, role: str, name: str) -> memoryview:
+        segment = self._open.get(role)
+        if segment is None or segment.name != name:
+            if segment is not None:
+                frames.release_segment(segment, unlink=False)
+            segment = shared_memory.SharedMemory(name=name)
+            self._open[role] = segment
+        return frames.segment_view(segment)
+
+
+def _describe_responses(
+    frame: frames.Frame,
+    requests: list[InferenceRequest],
+    responses: list[InferenceResponse],
+    context: Context,
+) -> list[dict[str, Any]]:
+    try:
+        return [frames.describe_response(frame, response) for response in responses]
+    except Exception as exc:  # e.g. a body that cannot be pickled
+        log.exception(
+            "model=%s version=%s request_ids=%s the handler's responses cannot be sent",
+            context.model_name,
+            context.model_version,
+            ",".join(r.request_id for r in requests),
+        )
+        failed = InferenceResponse.failed(
+            f"the handler's response cannot be sent: {type(exc).__name__}", 500
+        )
+        frame.clear()
+        return [frames.describe_response(frame, failed) for _ in responses]
+
+
+def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
+    segments = _Segments()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] != "run":
+            return
+        _, requests_name, responses_name, responses_size, described = message
+        buf = segments.get("requests", requests_name)
+        requests = [frames.read_request(buf, d) for d in described]
+        del buf
+        responses = run_batch(handler, requests, context)
+        frame = frames.Frame()
+        metas = _describe_responses(frame, requests, responses, context)
+        if frame.size > responses_size:
+            conn.send(("grow", frame.size))
+            _, responses_name, responses_size = conn.recv()
+        frame.write(segments.get("responses", responses_name))
+        conn.send(("done", metas))
+
+
+def child_main(conn: Connection, spec: ChildSpec) -> None:
+    """Entry point of a worker process (multiprocessing spawn target)."""
+    # Ctrl-C reaches the whole process group; the server decides when its workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if spec.parent_pid:
+        threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    context = spec.context
+    try:
+        handler = load_handler(context)
+    except Exception as exc:
+        conn.send(("error", load_failure(exc, context.model_name, context.model_version).message))
+        return
+    conn.send(("ready", os.getpid()))
+    with worker_scope(handler):
+        _serve(conn, handler, context)
+    # Skip the interpreter's teardown of torch and friends (seconds on a busy machine): the
+    # handler has no cleanup hook, and the server waits for this exit when it shuts down.
+    logging.shutdown()
+    os._exit(0)

@@ -1,0 +1,91 @@
+"""One worker process as the server sees it: start it, talk to it, end it, say how it ended."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from time import monotonic
+from typing import Any
+
+from scriptserve.server.workers.process.child import ChildSpec, child_main
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+class WorkerGone(Exception):
+    """The worker process ended; the message says how."""
+
+
+class WorkerHung(Exception):
+    """The worker process did not answer in time."""
+
+
+def exit_description(exitcode: int | None) -> str:
+    """How a process ended, in words: 'killed by signal 9 (SIGKILL)', 'out of memory', ..."""
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode == 137:  # 128 + SIGKILL: what container runtimes report for an OOM kill
+        return "out of memory: exit code 137"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-exitcode} ({name})"
+    return f"exited with code {exitcode}"
+
+
+@dataclass(eq=False)
+class Child:
+    """A started worker process and the server's end of its pipe."""
+
+    process: BaseProcess
+    conn: Connection
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self.process.join(5.0)
+            raise WorkerGone(exit_description(self.process.exitcode)) from exc
+
+    def receive(self, deadline: float) -> tuple[Any, ...]:
+        """The next message; WorkerGone when the process ends first, WorkerHung at `deadline`."""
+        sentinel = self.process.sentinel
+        while True:
+            remaining = deadline - monotonic()
+            if remaining <= 0:
+                raise WorkerHung()
+            ready = wait([self.conn, sentinel], remaining)
+            if self.conn in ready:
+                try:
+                    message: tuple[Any, ...] = self.conn.recv()
+                    return message
+                except (EOFError, OSError):
+                    ready.append(sentinel)
+            if sentinel in ready:
+                self.process.join(5.0)
+                raise WorkerGone(exit_description(self.process.exitcode))
+
+    def end(self, grace_s: float) -> None:
+        """Ask the process to exit; kill it (SIGKILL) after `grace_s`."""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(("stop",))
+        self.process.join(grace_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        self.conn.close()
+
+
+def spawn(spec: ChildSpec, name: str) -> Child:
+    """Start a worker process (it loads its handler, then says `ready` or `error`)."""
+    ours, theirs = _SPAWN.Pipe(duplex=True)
+    process = _SPAWN.Process(target=child_main, args=(theirs, spec), name=name, daemon=True)
+    process.start()
+    theirs.close()
+    return Child(process, ours)
