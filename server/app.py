@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from scriptserve.server import snapshot
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.grpc.server import GrpcServers
+from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, find_archives
 from scriptserve.server.rest.guard import guarded
@@ -37,6 +38,22 @@ log = logging.getLogger("scriptserve.app")
 
 class StartupError(RuntimeError):
     """The server cannot start; the message says what to change."""
+
+
+class ModelStoreError(StartupError):
+    """The model store is missing or not a directory: a setting must change (the CLI exits 2)."""
+
+
+def check_model_store(settings: ServerSettings) -> None:
+    """Refuse to start without a model store, rather than serve nothing without a word."""
+    store = settings.model_store
+    if not store.exists():
+        raise ModelStoreError(
+            f"model store {store} does not exist: create it, or name an existing directory "
+            "with --model-store"
+        )
+    if not store.is_dir():
+        raise ModelStoreError(f"model store {store} is not a directory (--model-store)")
 
 
 class _Server(uvicorn.Server):
@@ -114,6 +131,7 @@ async def load_startup_models(
 
 async def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
+    check_model_store(settings)  # before any port is bound
     # Workers run the model without the GIL but need it back to hand results over; with
     # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
     # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
@@ -124,6 +142,7 @@ async def serve(settings: ServerSettings) -> int:
     registry = ModelRegistry(settings, metrics, devices)
     metrics.watch(registry.stats)
     dataplane = DataPlane(registry, metrics, settings)
+    management = Management(registry, dataplane, settings)
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
     probes = ("/ping", "/v2/health/live", "/v2/health/ready")
@@ -135,7 +154,7 @@ async def serve(settings: ServerSettings) -> int:
         ),
         (
             "management",
-            guarded(create_management_app(dataplane, settings), keys, "management", limit),
+            guarded(create_management_app(management, settings), keys, "management", limit),
             settings.management_address,
         ),
         # Prometheus scrapes without a key; the metrics port binds loopback by default.
@@ -168,7 +187,7 @@ async def serve(settings: ServerSettings) -> int:
     for (what, _, _), sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("%s API listening on http://%s:%d", what, host, port)
-    grpc_servers = GrpcServers(dataplane, settings, keys)
+    grpc_servers = GrpcServers(dataplane, management, settings, keys)
     try:
         grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)
     except RuntimeError as exc:
@@ -180,7 +199,7 @@ async def serve(settings: ServerSettings) -> int:
     )  # fmt: skip
 
     await load_startup_models(registry, settings, stop)
-    dataplane.on_change = lambda: snapshot.write(registry, settings)
+    management.on_change = lambda: snapshot.write(registry, settings)
     dataplane.starting = False
     await grpc_servers.serving()
     log.info(

@@ -1,4 +1,5 @@
-"""One error hierarchy for the server. Each error carries its HTTP status and gRPC code.
+"""One error hierarchy for the server. Each error carries its HTTP status; one table in
+`server/grpc/status.py` gives each its gRPC code.
 
 Messages say what was wrong in terms of the request and what to do; they never carry internal
 paths, queue names or stack traces.
@@ -6,12 +7,14 @@ paths, queue names or stack traces.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 
 class ServingError(Exception):
     """Base of every error a client may see."""
 
     status: int = 500
-    grpc_code: str = "INTERNAL"
 
     def __init__(
         self, message: str, headers: dict[str, str] | None = None, status: int | None = None
@@ -25,54 +28,44 @@ class ServingError(Exception):
 
 class InvalidInput(ServingError):
     status = 400
-    grpc_code = "INVALID_ARGUMENT"
 
 
 class Unauthenticated(ServingError):
     status = 401
-    grpc_code = "UNAUTHENTICATED"
 
 
 class PermissionDenied(ServingError):
     status = 403
-    grpc_code = "PERMISSION_DENIED"
 
 
 class ModelNotFound(ServingError):
     status = 404
-    grpc_code = "NOT_FOUND"
 
 
 class MethodNotAllowed(ServingError):
     status = 405
-    grpc_code = "UNIMPLEMENTED"
 
 
 class Conflict(ServingError):
     status = 409
-    grpc_code = "ALREADY_EXISTS"
 
 
 class PayloadTooLarge(ServingError):
     status = 413
-    grpc_code = "RESOURCE_EXHAUSTED"
 
 
 class InferenceFailed(ServingError):
     """The handler raised or returned an error for this request."""
 
     status = 500
-    grpc_code = "INTERNAL"
 
 
 class ModelNotReady(ServingError):
     status = 503
-    grpc_code = "UNAVAILABLE"
 
 
 class QueueFull(ServingError):
     status = 503
-    grpc_code = "UNAVAILABLE"
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message, {"Retry-After": str(retry_after_s)})
@@ -80,7 +73,6 @@ class QueueFull(ServingError):
 
 class DeadlineExceeded(ServingError):
     status = 504
-    grpc_code = "DEADLINE_EXCEEDED"
 
 
 def error_for_status(status: int, message: str) -> ServingError:
@@ -91,3 +83,13 @@ def error_for_status(status: int, message: str) -> ServingError:
     if 400 <= status < 500:
         return InvalidInput(message, status=status)
     return InferenceFailed(message, status=status if status >= 500 else None)
+
+
+def invalid_fields(errors: Iterable[Mapping[str, Any]]) -> str:
+    """One line naming each invalid parameter, from pydantic's (or FastAPI's) error list."""
+    parts = []
+    for err in errors:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "path", "body"))
+        message = str(err.get("msg", "invalid"))
+        parts.append(f"{where}: {message}" if where else message)
+    return "invalid request parameter(s): " + "; ".join(parts)

@@ -12,18 +12,15 @@ from typing import Any
 import grpc
 
 from scriptserve.server.errors import ServingError
+from scriptserve.server.grpc.status import status_code
 from scriptserve.server.security import AccessKeys, Api
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
-def _code(error: ServingError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, error.grpc_code, grpc.StatusCode.INTERNAL)
-
-
 def _refusal(handler: grpc.RpcMethodHandler, error: ServingError) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with `error`."""
-    code, message = _code(error), error.message
+    code, message = status_code(error), error.message
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, message)

@@ -1,23 +1,39 @@
 """gRPC wire messages <-> protocol-neutral requests and responses.
 
-OIP: typed `contents` or `raw_input_contents` in; outputs always go back as
-`raw_output_contents` (as Triton does; every OIP client reads them). TorchServe: the `input` map
-is the request's fields by name, the answer the same bytes `/predictions` answers.
+OIP: typed `contents` or `raw_input_contents` in, checked by the same tensor codec as REST;
+outputs always go back as `raw_output_contents` (as Triton does; every OIP client reads them).
+TorchServe: the `input` map is the request's fields by name (`server/codec/torchserve.py`),
+management messages become the parameters the REST management API takes.
+
+Converters read and fill messages by field name and never import the generated OIP module: a
+Triton client's own messages (the same wire types, package `inference`) work with them too,
+which is how the tests drive them in a process that has tritonclient loaded.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import asyncio
+from typing import Any, TypeVar
 
 import numpy as np
+from google.protobuf.message import Message
 
-from scriptserve.archiver.signature import TensorSpec, datatype_of
+from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.codec.tensors import (
+    add_input,
+    check_shape,
+    decode_raw,
+    encode_raw,
+    from_values,
+    tensor_dtype,
+)
+from scriptserve.server.dataplane import Served
 from scriptserve.server.description import ModelMetadata
-from scriptserve.server.errors import InvalidInput
-from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
-from scriptserve.server.rawtensors import decode_raw, encode_raw, tensor_dtype
+from scriptserve.server.errors import InvalidInput, ServingError
+
+M = TypeVar("M")
+"""A message to fill: ours, or a Triton client's of the same wire type."""
 
 # Which InferTensorContents field carries each datatype (FP16/BF16 travel raw only).
 _CONTENTS_FIELD = {
@@ -36,31 +52,22 @@ _CONTENTS_FIELD = {
 }
 
 
-def parameter_value(param: oip.InferParameter) -> Any:
+def parameter_value(param: Any) -> Any:
     choice = param.WhichOneof("parameter_choice")
     return getattr(param, choice) if choice else None
 
 
-def _typed_input(tensor: Any) -> np.ndarray:
-    name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
-    dtype = tensor_dtype(name, datatype)
+def _typed_input(tensor: Any, shape: list[int]) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    tensor_dtype(name, datatype)  # an unknown datatype is named before its contents field
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
         raise InvalidInput(f"input {name!r}: {datatype} must be sent in raw_input_contents")
-    values = getattr(tensor.contents, field)
-    count = math.prod(shape)
-    if len(values) != count:
-        raise InvalidInput(f"input {name!r}: shape {shape} needs {count} values, got {len(values)}")
-    if datatype == "BYTES":
-        return np.array(list(values), dtype=np.object_).reshape(shape)
-    try:
-        return np.array(values, dtype=dtype).reshape(shape)
-    except OverflowError:
-        raise InvalidInput(f"input {name!r}: a value does not fit {datatype}") from None
+    return from_values(name, datatype, shape, getattr(tensor.contents, field))
 
 
-def infer_request(msg: oip.ModelInferRequest) -> tuple[InferenceRequest, list[str]]:
-    """An OIP ModelInferRequest as an InferenceRequest, plus the requested output names."""
+def infer_request(msg: Any) -> InferenceRequest:
+    """An OIP ModelInferRequest as an InferenceRequest (its requested outputs included)."""
     if not msg.inputs:
         raise InvalidInput("the request has no inputs")
     raw = list(msg.raw_input_contents)
@@ -71,66 +78,62 @@ def infer_request(msg: oip.ModelInferRequest) -> tuple[InferenceRequest, list[st
         )
     inputs: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(msg.inputs):
-        if any(d < 0 for d in tensor.shape):
-            raise InvalidInput(f"input {tensor.name!r}: shape dimensions must be >= 0")
-        if tensor.name in inputs:
-            raise InvalidInput(f"input {tensor.name!r} appears twice")
+        shape = check_shape(tensor.name, tensor.shape)
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidInput("use either raw_input_contents or contents, not both")
-            array = decode_raw(tensor.name, tensor.datatype, list(tensor.shape), raw[i])
+            array = decode_raw(tensor.name, tensor.datatype, shape, raw[i])
         else:
-            array = _typed_input(tensor)
-        inputs[tensor.name] = array
+            array = _typed_input(tensor, shape)
+        add_input(inputs, tensor.name, array)
     request = InferenceRequest(
         inputs=inputs,
         parameters={k: parameter_value(v) for k, v in msg.parameters.items()},
+        outputs=[o.name for o in msg.outputs],
     )
     if msg.id:
         request.request_id = msg.id
-    return request, [o.name for o in msg.outputs]
+    return request
 
 
-def infer_response(
-    model_name: str,
-    model_version: str,
-    request_id: str,
-    outputs: dict[str, np.ndarray],
-    requested: list[str],
-    into: oip.ModelInferResponse | None = None,
-) -> oip.ModelInferResponse:
-    """The answer as a ModelInferResponse, written `into` an existing (empty) message if given:
-    a stream's reply embeds one, and filling it in place spares copying the tensors."""
-    unknown = [n for n in requested if n not in outputs]
-    if unknown:
-        known = ", ".join(outputs)
-        raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
-    response = oip.ModelInferResponse() if into is None else into
-    response.model_name = model_name
-    response.model_version = model_version
-    response.id = request_id
-    for name in requested or list(outputs):
-        array = outputs[name]
-        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        response.raw_output_contents.append(encode_raw(array))
+def fill_infer_response(served: Served, request_id: str, response: M) -> M:
+    """Write the answer into an empty ModelInferResponse (a stream's reply embeds one, and
+    filling it in place spares copying the tensors); returns it."""
+    message: Any = response
+    message.model_name = served.model_name
+    message.model_version = served.model_version
+    message.id = request_id
+    for name, array in served.outputs:
+        message.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
+        message.raw_output_contents.append(encode_raw(array))
     return response
 
 
-def _tensor_metadata(specs: tuple[TensorSpec, ...]) -> list[Any]:
-    return [
-        oip.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
-        for t in specs
-    ]
+def fill_stream_reply(request: Any, outcome: asyncio.Future[Served], reply: M) -> M:
+    """Write a stream's reply to one request into an empty ModelStreamInferResponse: its
+    answer, or its error in `error_message` with the request's model name and id."""
+    message: Any = reply
+    error = outcome.exception()
+    if error is None:
+        fill_infer_response(outcome.result(), request.id, message.infer_response)
+        return reply
+    failed = error.message if isinstance(error, ServingError) else "the request failed"
+    message.error_message = failed
+    message.infer_response.model_name = request.model_name
+    message.infer_response.id = request.id
+    return reply
 
 
-def metadata_response(meta: ModelMetadata) -> oip.ModelMetadataResponse:
-    return oip.ModelMetadataResponse(
-        name=meta.name,
-        versions=meta.versions,
-        platform=meta.platform,
-        inputs=_tensor_metadata(meta.inputs),
-        outputs=_tensor_metadata(meta.outputs),
-    )
+def fill_metadata(meta: ModelMetadata, response: M) -> M:
+    """Write a model's metadata into an empty ModelMetadataResponse; returns it."""
+    message: Any = response
+    message.name = meta.name
+    message.versions.extend(meta.versions)
+    message.platform = meta.platform
+    for specs, tensors in ((meta.inputs, message.inputs), (meta.outputs, message.outputs)):
+        for spec in specs:
+            tensors.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
+    return response
 
 
 QUANTIZE_METADATA = "scriptserve-quantize"
@@ -154,28 +157,23 @@ WORKER_MODE_METADATA = "scriptserve-worker-mode"
 """RegisterModel request metadata: `thread` or `process` workers for the model."""
 
 
-def metadata_value(metadata: Any, key: str) -> str | None:
-    """The value of `key` in a call's metadata, if sent."""
-    for name, value in metadata or ():
-        if name == key:
-            return value if isinstance(value, str) else value.decode()
-    return None
+def registration_metadata(metadata: Any) -> dict[str, str]:
+    """The registration settings a RegisterModel call sends as metadata (its message has no
+    fields for them), under the registration's own names."""
+    names = {QUANTIZE_METADATA: "quantize", WORKER_MODE_METADATA: "worker_mode"}
+    found = {}
+    for key, value in metadata or ():
+        if key in names:
+            found[names[key]] = value if isinstance(value, str) else value.decode()
+    return found
 
 
-def requested_quantize(metadata: Any) -> str | None:
-    """The `scriptserve-quantize` value of a call's metadata, if sent."""
-    return metadata_value(metadata, QUANTIZE_METADATA)
-
-
-def requested_worker_mode(metadata: Any) -> str | None:
-    """The `scriptserve-worker-mode` value of a call's metadata, if sent."""
-    return metadata_value(metadata, WORKER_MODE_METADATA)
-
-
-def predictions_request(model_input: dict[str, bytes]) -> InferenceRequest:
-    """TorchServe's `input` map: fields by name; `data` (or `body`, or the only one) is the body."""
-    if not model_input:
-        raise InvalidInput("the request's input map is empty; send the model's input as 'data'")
-    fields = dict(model_input)
-    body = fields.get("data", fields.get("body", next(iter(fields.values()))))
-    return InferenceRequest(body=body, fields=fields)
+def given_fields(msg: Message) -> dict[str, Any]:
+    """A TorchServe message's fields as parameters: a zero number or an empty string means "not
+    given", as in TorchServe (proto3 cannot tell them apart); booleans are always given."""
+    given: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if isinstance(value, bool) or value not in (0, ""):
+            given[field.name] = value
+    return given

@@ -21,11 +21,9 @@ from scriptserve.server.grpc._generated import inference_pb2_grpc as ts_grpc
 from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
 from scriptserve.server.grpc.auth import interceptors
-from scriptserve.server.grpc.servicers import (
-    InferenceServicer,
-    ManagementServicer,
-    TorchServeInferenceServicer,
-)
+from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInferenceServicer
+from scriptserve.server.grpc.management import ManagementServicer
+from scriptserve.server.management import Management
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
 
@@ -38,7 +36,11 @@ class GrpcServers:
     """The two gRPC servers and their health services."""
 
     def __init__(
-        self, dataplane: DataPlane, settings: ServerSettings, keys: AccessKeys | None = None
+        self,
+        dataplane: DataPlane,
+        management: Management,
+        settings: ServerSettings,
+        keys: AccessKeys | None = None,
     ) -> None:
         keys = keys or AccessKeys(None, None, enforced=False)
         options = [
@@ -60,7 +62,7 @@ class GrpcServers:
             TorchServeInferenceServicer(dataplane), self.inference
         )
         mgmt_grpc.add_ManagementAPIsServiceServicer_to_server(
-            ManagementServicer(dataplane), self.management
+            ManagementServicer(management), self.management
         )
         for server, services in ((self.inference, [_OIP, _TS]), (self.management, [_MGMT])):
             checker = health.aio.HealthServicer()

@@ -8,21 +8,13 @@ arrive, and nothing is buffered beyond what the app itself reads.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scriptserve.server.errors import PayloadTooLarge, ServingError
+from scriptserve.server.rest.errors import error_body
 from scriptserve.server.security import AccessKeys, Api
-
-
-def error_body(path: str, error: ServingError) -> bytes:
-    """The same shapes as server/rest/errors.py: OIP `{"error"}`, TorchServe `{code, type, …}`."""
-    if path.startswith("/v2"):
-        return json.dumps({"error": error.message}).encode()
-    body = {"code": error.status, "type": type(error).__name__, "message": error.message}
-    return json.dumps(body).encode()
 
 
 async def send_error(scope: Scope, send: Send, error: ServingError) -> None:

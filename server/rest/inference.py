@@ -14,10 +14,11 @@ from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 from starlette.routing import request_response as starlette_request_response
 
+from scriptserve import __version__
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.dataplane import DataPlane, prediction_payload
+from scriptserve.server.codec import oip_json, torchserve
+from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
-from scriptserve.server.rest import oip
 from scriptserve.server.rest.errors import install_error_handlers
 from scriptserve.server.settings import ServerSettings
 
@@ -44,25 +45,18 @@ def client_timeout(request: Request) -> float | None:
 async def _predictions_request(request: Request, settings: ServerSettings) -> InferenceRequest:
     """TorchServe-style input: raw body (`curl -T`, JSON) or multipart fields by name."""
     content_type = request.headers.get("content-type", "")
-    headers = request.headers
-    if content_type.startswith("multipart/form-data"):
-        fields: dict[str, bytes] = {}
-        form = await request.form(
-            max_files=settings.max_multipart_files,
-            max_fields=settings.max_multipart_fields,
-            max_part_size=settings.max_multipart_part_bytes,
-        )
-        for key, value in form.multi_items():
-            fields[key] = await value.read() if isinstance(value, UploadFile) else value.encode()
-        if not fields:
-            raise InvalidInput("the multipart body has no fields; send the input as 'data'")
-        body = fields.get("data", fields.get("body", next(iter(fields.values()))))
-        return InferenceRequest(body=body, content_type=content_type, fields=fields,
-                                headers=headers)  # fmt: skip
-    body = await request.body()
-    if not body:
-        raise InvalidInput("the request has no body; send the model's input")
-    return InferenceRequest(body=body, content_type=content_type or None, headers=headers)
+    if not content_type.startswith("multipart/form-data"):
+        body = await request.body()
+        return torchserve.body_request(body, content_type, request.headers)
+    fields: dict[str, bytes] = {}
+    form = await request.form(
+        max_files=settings.max_multipart_files,
+        max_fields=settings.max_multipart_fields,
+        max_part_size=settings.max_multipart_part_bytes,
+    )
+    for key, value in form.multi_items():
+        fields[key] = await value.read() if isinstance(value, UploadFile) else value.encode()
+    return torchserve.predictions_request(fields, content_type, request.headers)
 
 
 class DirectRoute(APIRoute):
@@ -115,7 +109,7 @@ def _path_params(*names: str) -> dict[str, Any]:
 def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> FastAPI:
     app = FastAPI(
         title="scriptserve inference API",
-        version="0.1.0",
+        version=__version__,
         docs_url="/docs" if settings.docs else None,
         redoc_url=None,
         openapi_url="/openapi.json" if settings.docs else None,
@@ -125,18 +119,17 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     # -- TorchServe ------------------------------------------------------------------------
     @app.get("/ping", tags=["TorchServe"])
     async def ping() -> Response:
-        healthy = dataplane.ready()
-        return JSONResponse(
-            {"status": "Healthy" if healthy else "Unhealthy"}, 200 if healthy else 503
-        )
+        ready = dataplane.ready()
+        return JSONResponse(torchserve.health(ready), 200 if ready else 503)
 
     async def predict(request: Request, model_name: str, version: str | None) -> Response:
         inference = await _predictions_request(request, settings)
-        response = await dataplane.infer(
-            model_name, version, inference, "rest", client_timeout(request)
+        served = await dataplane.infer(
+            model_name, version, inference, protocol="rest", timeout_s=client_timeout(request)
         )
-        payload, content_type = prediction_payload(response)
+        payload, content_type = torchserve.prediction_payload(served.response)
         # A handler may pick a 2xx status and extra headers (TorchServe handlers do, via context).
+        response = served.response
         return Response(
             payload, response.status, headers=response.headers or None, media_type=content_type
         )
@@ -204,27 +197,20 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         return model_ready(model_name, version)
 
     async def infer(request: Request, model_name: str, version: str | None) -> Response:
-        resolved = dataplane.resolve_version(model_name, version)  # 404 before parsing the body
-        decoded = oip.decode_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
-        inference = InferenceRequest(
-            inputs=decoded.inputs, parameters=decoded.parameters, headers=request.headers
+        headers = request.headers
+        wire = oip_json.OipBody(await request.body(), headers.get(oip_json.HEADER_LENGTH), headers)
+        served = await dataplane.infer(
+            model_name, version, wire.decode, protocol="rest", timeout_s=client_timeout(request)
         )
-        if decoded.id:
-            inference.request_id = decoded.id
-        response = await dataplane.infer(
-            model_name, version, inference, "rest", client_timeout(request)
+        payload, header_length = wire.encode(
+            served.model_name, served.model_version, served.outputs
         )
-        if not response.outputs:
-            raise InvalidInput(
-                f"model {model_name!r} answers with a body, not tensors; call /predictions"
-            )
-        body, header_length = oip.encode_response(model_name, resolved, decoded, response.outputs)
         if header_length is None:
-            return Response(body, media_type=_JSON)
+            return Response(payload, media_type=_JSON)
         return Response(
-            body,
+            payload,
             media_type="application/octet-stream",
-            headers={oip.HEADER_LENGTH: str(header_length)},
+            headers={oip_json.HEADER_LENGTH: str(header_length)},
         )
 
     @_direct_post(app, "/v2/models/{model_name}/infer", "OIP v2", "model_name")

@@ -162,7 +162,7 @@ def fields(message: Descriptor) -> dict[str, int]:
 
 
 def file_of(pool: descriptor_pool.DescriptorPool, name: str) -> FileDescriptor:
-    return pool.FindFileByName(f"server/grpc/_generated/{name}.proto")
+    return pool.FindFileByName(f"scriptserve/server/grpc/_generated/{name}.proto")
 
 
 def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:

@@ -7,7 +7,7 @@ row-major; a BYTES element is a 4-byte little-endian length and the bytes.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,17 +15,23 @@ import numpy as np
 import orjson
 
 from scriptserve.archiver.signature import datatype_of
+from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.codec.tensors import (
+    add_input,
+    check_shape,
+    decode_raw,
+    encode_raw,
+    from_values,
+)
 from scriptserve.server.errors import InvalidInput
-from scriptserve.server.rawtensors import decode_raw, encode_raw, tensor_dtype
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 @dataclass
 class OipRequest:
+    inference: InferenceRequest
     id: str | None
-    inputs: dict[str, np.ndarray]
-    parameters: dict[str, Any]
     requested: dict[str, bool] = field(default_factory=dict)
     """Requested output name -> send it binary; empty = every output, as `binary_default`."""
     binary_default: bool = False
@@ -35,16 +41,12 @@ def _tensor(spec: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray
     if not isinstance(spec, dict):
         raise InvalidInput("each entry of 'inputs' must be an object with name, shape, datatype")
     name = spec.get("name")
-    shape = spec.get("shape")
     datatype = spec.get("datatype")
     if not isinstance(name, str) or not name:
         raise InvalidInput("an input has no 'name'")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    shape = check_shape(name, spec.get("shape"))
     if not isinstance(datatype, str):
         raise InvalidInput(f"input {name!r}: 'datatype' is missing")
-    dtype = tensor_dtype(name, datatype)
-    count = math.prod(shape)
     params = spec.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None
     if size is not None:
@@ -54,26 +56,18 @@ def _tensor(spec: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray
         return name, decode_raw(name, datatype, shape, raw), offset + size
     if "data" not in spec:
         raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
-    data = spec["data"]
-    try:
-        if datatype == "BYTES":
-            flat = np.array(
-                [d.encode() if isinstance(d, str) else bytes(d) for d in np.ravel(data)],
-                dtype=np.object_,
-            )
-        else:
-            flat = np.asarray(data, dtype=dtype).ravel()
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidInput(f"input {name!r}: data is not a valid {datatype} array: {exc}") from None
-    if flat.size != count:
-        raise InvalidInput(f"input {name!r}: shape {shape} needs {count} values, got {flat.size}")
-    return name, flat.reshape(shape), offset
+    return name, from_values(name, datatype, shape, spec["data"]), offset
 
 
-def decode_request(body: bytes, header_length: str | None) -> OipRequest:
+def decode_request(
+    body: bytes, header_length: str | None, headers: Mapping[str, str] | None = None
+) -> OipRequest:
     """Parse an infer request body; raises InvalidInput naming what is wrong."""
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(
+            body
+        ):
             raise InvalidInput(f"{HEADER_LENGTH} must be the JSON header's length in bytes")
         split = int(header_length)
     else:
@@ -89,9 +83,7 @@ def decode_request(body: bytes, header_length: str | None) -> OipRequest:
     inputs: dict[str, np.ndarray] = {}
     for spec in doc["inputs"]:
         name, array, offset = _tensor(spec, binary, offset)
-        if name in inputs:
-            raise InvalidInput(f"input {name!r} appears twice")
-        inputs[name] = array
+        add_input(inputs, name, array)
     if offset != len(binary):
         raise InvalidInput("the binary data is longer than the inputs' binary_data_size")
     params = doc.get("parameters") or {}
@@ -109,31 +101,25 @@ def decode_request(body: bytes, header_length: str | None) -> OipRequest:
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    return OipRequest(
-        request_id,
-        inputs,
-        params,
-        requested,
-        binary_default,
+    inference = InferenceRequest(
+        inputs=inputs, parameters=params, headers=headers or {}, outputs=list(requested)
     )
+    if request_id:
+        inference.request_id = request_id
+    return OipRequest(inference, request_id, requested, binary_default)
 
 
 def encode_response(
     model_name: str,
     model_version: str,
     request: OipRequest,
-    outputs: dict[str, np.ndarray],
+    outputs: list[tuple[str, np.ndarray]],
 ) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header's length when binary tensors follow it."""
-    unknown = [n for n in request.requested if n not in outputs]
-    if unknown:
-        known = ", ".join(outputs)
-        raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
-    names = list(request.requested) or list(outputs)
+    """The response body for the selected outputs, and the JSON header's length when binary
+    tensors follow it."""
     entries = []
     blobs: list[bytes] = []
-    for name in names:
-        array = outputs[name]
+    for name, array in outputs:
         datatype = datatype_of(array.dtype)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if request.requested.get(name, request.binary_default):
@@ -154,3 +140,30 @@ def encode_response(
     if not blobs:
         return header, None
     return header + b"".join(blobs), len(header)
+
+
+class OipBody:
+    """An infer request's body, decoded when the data plane asks (once the model is known), and
+    the encoder of its answer, which needs what the request asked for.
+
+        wire = OipBody(body, headers.get(HEADER_LENGTH), headers)
+        served = await dataplane.infer(name, None, wire.decode, protocol="rest")
+        payload, length = wire.encode(served.model_name, served.model_version, served.outputs)
+    """
+
+    def __init__(self, body: bytes, header_length: str | None, headers: Mapping[str, str]) -> None:
+        self._body = body
+        self._header_length = header_length
+        self._headers = headers
+        self._decoded: OipRequest | None = None
+
+    def decode(self) -> InferenceRequest:
+        self._decoded = decode_request(self._body, self._header_length, self._headers)
+        return self._decoded.inference
+
+    def encode(
+        self, model_name: str, model_version: str, outputs: list[tuple[str, np.ndarray]]
+    ) -> tuple[bytes, int | None]:
+        if self._decoded is None:
+            raise RuntimeError("encode() before decode()")
+        return encode_response(model_name, model_version, self._decoded, outputs)

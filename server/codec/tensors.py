@@ -1,0 +1,139 @@
+"""Tensors as the Open Inference Protocol sends them, over REST and gRPC alike.
+
+An input arrives as a name, a datatype, a shape and either values (JSON lists, gRPC typed
+contents) or raw bytes (the binary extension, gRPC raw contents). Raw bytes are little-endian,
+row-major, no strides; a BYTES element is a 4-byte little-endian length followed by its bytes.
+Every check on a tensor a client sent is made here, once, with a message naming the input.
+
+>>> from_values("x", "FP32", [1, 2], [[1.0, 2.0]]).shape
+(1, 2)
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
+from scriptserve.server.errors import InvalidInput
+
+
+def tensor_dtype(name: str, datatype: str) -> np.dtype[Any]:
+    """The numpy dtype for an input's datatype, or InvalidInput naming the input."""
+    if datatype == "BF16":
+        raise InvalidInput(f"input {name!r}: BF16 is not supported; send FP32 or FP16")
+    try:
+        return numpy_dtype(datatype)
+    except SignatureError as exc:
+        raise InvalidInput(f"input {name!r}: {exc}") from None
+
+
+def check_shape(name: str, shape: Any) -> list[int]:
+    """The shape as a list of non-negative integers (a JSON `true` is not a dimension)."""
+    if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
+        raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    dims = list(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    return dims
+
+
+def decode_raw(name: str, datatype: str, shape: list[int], raw: bytes) -> np.ndarray:
+    """One input from its raw bytes; the size must match shape and datatype exactly."""
+    count = math.prod(shape)
+    dtype = tensor_dtype(name, datatype)
+    if datatype == "BYTES":
+        items: list[bytes] = []
+        pos = 0
+        while pos < len(raw):
+            if pos + 4 > len(raw):
+                raise InvalidInput(f"input {name!r}: truncated BYTES element length")
+            (length,) = struct.unpack_from("<I", raw, pos)
+            pos += 4
+            items.append(raw[pos : pos + length])
+            pos += length
+        if len(items) != count or pos != len(raw):
+            raise InvalidInput(f"input {name!r}: shape {shape} needs {count} BYTES elements")
+        return np.array(items, dtype=np.object_).reshape(shape)
+    if len(raw) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
+            f"got {len(raw)}"
+        )
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+
+
+def _flat(values: Any) -> Iterator[Any]:
+    """Elements in row-major order from nested JSON lists or a protobuf repeated field."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        yield values
+    else:
+        for value in values:
+            yield from _flat(value)
+
+
+def _element(name: str, value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes):
+        return value
+    raise InvalidInput(f"input {name!r}: a BYTES element must be a string")
+
+
+def from_values(name: str, datatype: str, shape: list[int], values: Any) -> np.ndarray:
+    """One input from its values (nested JSON lists or a flat sequence), in row-major order."""
+    dtype = tensor_dtype(name, datatype)
+    count = math.prod(shape)
+    try:
+        if datatype == "BYTES":
+            items = [_element(name, v) for v in _flat(values)]
+            flat = np.empty(len(items), dtype=np.object_)
+            flat[:] = items
+        else:
+            flat = np.asarray(values, dtype=dtype).ravel()
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(f"input {name!r}: data is not a valid {datatype} array: {exc}") from None
+    if flat.size != count:
+        raise InvalidInput(f"input {name!r}: shape {shape} needs {count} values, got {flat.size}")
+    return flat.reshape(shape)
+
+
+def add_input(inputs: dict[str, np.ndarray], name: str, array: np.ndarray) -> None:
+    """Add one decoded input; a name sent twice is the client's mistake."""
+    if name in inputs:
+        raise InvalidInput(f"input {name!r} appears twice")
+    inputs[name] = array
+
+
+def encode_raw(array: np.ndarray) -> bytes:
+    """An output's raw bytes."""
+    if datatype_of(array.dtype) == "BYTES":
+        parts = []
+        for item in array.ravel():
+            data = item if isinstance(item, bytes) else str(item).encode()
+            parts.append(struct.pack("<I", len(data)) + data)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def select_outputs(
+    model_name: str, outputs: Mapping[str, np.ndarray], requested: Sequence[str]
+) -> list[tuple[str, np.ndarray]]:
+    """The outputs a tensor protocol answers with: the requested ones in their order, or all.
+
+    A model that answers with a body (a TorchServe-style handler) has no tensors to give.
+    """
+    if not outputs:
+        raise InvalidInput(
+            f"model {model_name!r} answers with a body, not tensors; call /predictions "
+            "(or the TorchServe gRPC Predictions method)"
+        )
+    unknown = [n for n in requested if n not in outputs]
+    if unknown:
+        known = ", ".join(outputs)
+        raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
+    return [(name, outputs[name]) for name in requested or outputs]

@@ -1,0 +1,178 @@
+"""gRPC inference servicers: thin adapters from wire messages to the data plane and back.
+
+Every ServingError ends the call with the code `server/grpc/status.py` gives its class and the
+same message REST gives. A client deadline shortens the request's own; a cancelled call frees
+its queue slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import empty_pb2
+
+from scriptserve.server.codec import torchserve
+from scriptserve.server.dataplane import DataPlane, Served
+from scriptserve.server.errors import ServingError
+from scriptserve.server.grpc import converters
+from scriptserve.server.grpc._generated import inference_pb2 as ts
+from scriptserve.server.grpc._generated import inference_pb2_grpc as ts_grpc
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from scriptserve.server.grpc.status import abort, status_code
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+def translated(method: Handler[R]) -> Handler[R]:
+    """Abort the call with the error's gRPC code and message on any ServingError."""
+
+    @functools.wraps(method)
+    async def call(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except ServingError as exc:
+            await abort(context, exc)
+
+    return call
+
+
+def version_of(value: str) -> str | None:
+    """proto3 strings default to "": no version means the default one."""
+    return value or None
+
+
+class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
+    """Open Inference Protocol v2: `inference.GRPCInferenceService`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    @translated
+    async def ServerLive(self, request: Any, context: Any) -> oip.ServerLiveResponse:
+        return oip.ServerLiveResponse(live=self.dataplane.live())
+
+    @translated
+    async def ServerReady(self, request: Any, context: Any) -> oip.ServerReadyResponse:
+        return oip.ServerReadyResponse(ready=self.dataplane.ready())
+
+    @translated
+    async def ModelReady(self, request: Any, context: Any) -> oip.ModelReadyResponse:
+        ready = self.dataplane.model_ready(request.name, version_of(request.version))
+        return oip.ModelReadyResponse(ready=ready)
+
+    @translated
+    async def ServerMetadata(self, request: Any, context: Any) -> oip.ServerMetadataResponse:
+        return oip.ServerMetadataResponse(**self.dataplane.server_metadata())
+
+    @translated
+    async def ModelMetadata(self, request: Any, context: Any) -> oip.ModelMetadataResponse:
+        meta = self.dataplane.model_metadata(request.name, version_of(request.version))
+        # Triton's ModelMetadataResponse has no parameters field: int8 or not goes in metadata.
+        context.set_trailing_metadata(converters.quantization_metadata(meta))
+        return converters.fill_metadata(meta, oip.ModelMetadataResponse())
+
+    @translated
+    async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
+        served = await self.dataplane.infer(
+            request.model_name, version_of(request.model_version),
+            functools.partial(converters.infer_request, request), protocol="grpc",
+            timeout_s=context.time_remaining(),
+        )  # fmt: skip
+        return converters.fill_infer_response(served, request.id, oip.ModelInferResponse())
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Triton's bidirectional stream: every request is queued as soon as it arrives (so
+        requests of one stream batch together), and each answer is written when it is ready,
+        carrying its request's `id`. A failed request is answered with `error_message`; the
+        stream goes on. Ending the call (client cancel, deadline) withdraws the requests still
+        queued. No coroutine per request: answers are built in the futures' callbacks and one
+        writer sends them in order of completion."""
+        replies: asyncio.Queue[oip.ModelStreamInferResponse | None] = asyncio.Queue()
+        pending: set[asyncio.Future[Served]] = set()
+
+        def answered(request: Any, future: asyncio.Future[Served]) -> None:
+            pending.discard(future)
+            if not future.cancelled():
+                reply = oip.ModelStreamInferResponse()
+                replies.put_nowait(converters.fill_stream_reply(request, future, reply))
+
+        async def write_replies() -> None:
+            while (reply := await replies.get()) is not None:
+                await context.write(reply)
+
+        writer = asyncio.create_task(write_replies())
+        try:
+            async for request in requests:
+                future = self.dataplane.submit(
+                    request.model_name, version_of(request.model_version),
+                    functools.partial(converters.infer_request, request), protocol="grpc",
+                    timeout_s=context.time_remaining(),
+                )  # fmt: skip
+                pending.add(future)
+                future.add_done_callback(functools.partial(answered, request))
+            if pending:
+                # Each future's `answered` runs before gather's own callback: every reply is
+                # queued by the time gather returns.
+                await asyncio.gather(*pending, return_exceptions=True)
+            replies.put_nowait(None)
+            await writer
+        finally:
+            for future in list(pending):
+                future.cancel()
+            writer.cancel()
+
+
+class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
+    """TorchServe's `org.pytorch.serve.grpc.inference.InferenceAPIsService`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    @translated
+    async def Ping(self, request: empty_pb2.Empty, context: Any) -> ts.TorchServeHealthResponse:
+        health = torchserve.health(self.dataplane.ready())
+        return ts.TorchServeHealthResponse(health=json.dumps(health))
+
+    async def _predict(self, request: Any, context: Any) -> ts.PredictionResponse:
+        served = await self.dataplane.infer(
+            request.model_name, version_of(request.model_version),
+            functools.partial(torchserve.predictions_request, request.input), protocol="grpc",
+            timeout_s=context.time_remaining(),
+        )  # fmt: skip
+        payload, _ = torchserve.prediction_payload(served.response)
+        return ts.PredictionResponse(prediction=payload)
+
+    @translated
+    async def Predictions(self, request: Any, context: Any) -> ts.PredictionResponse:
+        return await self._predict(request, context)
+
+    async def StreamPredictions(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ts.PredictionResponse]:
+        try:
+            yield await self._predict(request, context)
+        except ServingError as exc:
+            await abort(context, exc)
+
+    async def StreamPredictions2(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ts.PredictionResponse]:
+        async for request in requests:
+            try:
+                response = await self._predict(request, context)
+            except ServingError as exc:
+                response = ts.PredictionResponse()
+                response.status.code = status_code(exc).value[0]
+                response.status.message = exc.message
+            if request.HasField("sequence_id"):
+                response.sequence_id = request.sequence_id
+            yield response

@@ -1,0 +1,114 @@
+"""The tensor codec in-process: every check on a client's tensor, REST and gRPC alike."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from scriptserve.server.codec.tensors import (
+    add_input,
+    check_shape,
+    decode_raw,
+    encode_raw,
+    from_values,
+    select_outputs,
+)
+from scriptserve.server.errors import InvalidInput
+
+
+def test_values_take_the_shape_in_row_major_order() -> None:
+    array = from_values("x", "INT32", [2, 3], [[1, 2, 3], [4, 5, 6]])
+    assert array.dtype == np.int32
+    assert array.tolist() == [[1, 2, 3], [4, 5, 6]]
+    flat = from_values("x", "FP32", [2, 2], [1.0, 2.0, 3.0, 4.0])  # gRPC typed contents
+    assert flat.shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "values", "message"),
+    [
+        ([2, 2], [1.0, 2.0, 3.0], "shape [2, 2] needs 4 values, got 3"),
+        ([0, 4], [1.0], "shape [0, 4] needs 0 values, got 1"),
+        ([1], ["a"], "data is not a valid FP32 array"),
+    ],
+)
+def test_values_that_do_not_fit_are_named(
+    shape: list[int], values: list[object], message: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        from_values("x", "FP32", shape, values)
+
+
+def test_an_integer_out_of_its_datatype_range_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="not a valid INT8 array"):
+        from_values("x", "INT8", [1], [300])
+
+
+def test_bytes_elements_are_strings_never_numbers() -> None:
+    array = from_values("t", "BYTES", [2], ["ab", "c\x00"])
+    assert array.tolist() == [b"ab", b"c\x00"]  # no numpy bytes dtype: trailing NULs kept
+    # bytes(N) of a JSON integer would allocate N bytes the client never sent.
+    with pytest.raises(InvalidInput, match="a BYTES element must be a string"):
+        from_values("t", "BYTES", [1], [1099511627776])
+
+
+@pytest.mark.parametrize("shape", [[True, 4], [-1, 4], [1.5], "12", None, [[1]]])
+def test_a_shape_is_a_list_of_non_negative_integers(shape: object) -> None:
+    with pytest.raises(InvalidInput, match="'shape' must be a list of non-negative integers"):
+        check_shape("x", shape)
+
+
+def test_raw_bytes_round_trip_every_numeric_datatype() -> None:
+    for dtype in (np.bool_, np.uint8, np.int16, np.int64, np.float16, np.float32, np.float64):
+        array = (
+            (np.arange(6) % 2 if dtype is np.bool_ else np.arange(6)).astype(dtype).reshape(2, 3)
+        )
+        datatype = {np.bool_: "BOOL", np.uint8: "UINT8", np.int16: "INT16", np.int64: "INT64",
+                    np.float16: "FP16", np.float32: "FP32", np.float64: "FP64"}[dtype]  # fmt: skip
+        back = decode_raw("x", datatype, [2, 3], encode_raw(array))
+        assert back.dtype == array.dtype and np.array_equal(back, array)
+
+
+def test_raw_bytes_must_match_the_shape_exactly() -> None:
+    with pytest.raises(InvalidInput, match="needs 16 bytes, got 12"):
+        decode_raw("x", "FP32", [2, 2], b"\0" * 12)
+
+
+def test_raw_bytes_elements_are_length_prefixed() -> None:
+    raw = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 0)
+    assert decode_raw("t", "BYTES", [2], raw).tolist() == [b"hi", b""]
+    assert encode_raw(np.array([b"hi", b""], dtype=np.object_)) == raw
+    with pytest.raises(InvalidInput, match="truncated BYTES element length"):
+        decode_raw("t", "BYTES", [2], raw + b"\x01")
+    with pytest.raises(InvalidInput, match="needs 3 BYTES elements"):
+        decode_raw("t", "BYTES", [3], raw)
+
+
+def test_unknown_and_unsupported_datatypes_are_named() -> None:
+    with pytest.raises(InvalidInput, match="input 'x': BF16 is not supported"):
+        from_values("x", "BF16", [1], [1.0])
+    with pytest.raises(InvalidInput, match="input 'x'"):
+        decode_raw("x", "FP128", [1], b"")
+
+
+def test_an_input_sent_twice_is_refused() -> None:
+    inputs: dict[str, np.ndarray] = {}
+    add_input(inputs, "x", np.zeros(1))
+    with pytest.raises(InvalidInput, match="input 'x' appears twice"):
+        add_input(inputs, "x", np.zeros(1))
+
+
+def test_outputs_are_selected_in_the_order_asked() -> None:
+    outputs = {"a": np.zeros(1), "b": np.ones(1)}
+    assert [n for n, _ in select_outputs("m", outputs, [])] == ["a", "b"]
+    assert [n for n, _ in select_outputs("m", outputs, ["b", "a"])] == ["b", "a"]
+    with pytest.raises(InvalidInput, match=r"unknown output\(s\) c; the model's are a, b"):
+        select_outputs("m", outputs, ["c"])
+
+
+def test_a_model_that_answers_with_a_body_has_no_tensors() -> None:
+    with pytest.raises(InvalidInput, match="answers with a body, not tensors; call /predictions"):
+        select_outputs("m", {}, [])

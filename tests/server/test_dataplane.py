@@ -1,0 +1,233 @@
+"""The data plane in-process: a real registry loading real archives, no HTTP, no subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from testmodels import SlowMLP, TinyMLP, reference_output, save_torchscript
+from torch import nn
+
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.dataplane import DataPlane, Served
+from scriptserve.server.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    QueueFull,
+    ServingError,
+)
+from scriptserve.server.management import Management, Registration, Scaling
+from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.registry import ModelRegistry
+from scriptserve.server.settings import load_settings
+
+X = np.full((1, 8), 0.5, dtype=np.float32)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Doubled(nn.Module):
+    """TinyMLP's output times two: a second version whose answers differ from the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiny = TinyMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tiny(x) * 2
+
+
+def _archive(store: Path, work: Path, name: str, version: str, module: nn.Module) -> None:
+    model = save_torchscript(work / f"{name}-{version}.pt", module)
+    sample = work / "sample.json"
+    sample.write_text(json.dumps([0.5] * 8))
+    argv = [
+        "--model-name", name, "--version", version, "--serialized-file", str(model),
+        "--handler", "tensor", "--sample-input", str(sample), "--export-path", str(store),
+        "--archive-format", "no-archive",
+    ]  # fmt: skip
+    assert model_archiver_main(argv) == 0
+    (store / name).rename(store / f"{name}-{version}")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dataplane")
+    store, work = root / "store", root / "work"
+    store.mkdir()
+    work.mkdir()
+    _archive(store, work, "tiny", "1.0", SlowMLP(matmuls=100))
+    _archive(store, work, "tiny", "2.0", Doubled())
+    return store
+
+
+class Plane:
+    def __init__(self, store: Path) -> None:
+        self.settings = load_settings(
+            model_store=store, workers_per_model=1, enable_model_api=True, queue_size=4
+        )
+        self.metrics = ServerMetrics()
+        self.registry = ModelRegistry(self.settings, self.metrics, ["cpu"])
+        self.dataplane = DataPlane(self.registry, self.metrics, self.settings)
+        self.management = Management(self.registry, self.dataplane, self.settings)
+        self.dataplane.starting = False
+
+    def requests(self, status: int, version: str = "1.0") -> float:
+        value = self.metrics.requests.labels("tiny", version, "test", str(status))._value.get()
+        return float(value)
+
+
+@pytest.fixture
+async def plane(store: Path) -> AsyncIterator[Plane]:
+    plane = Plane(store)
+    for version in ("1.0", "2.0"):
+        await plane.management.register(Registration(url=f"tiny-{version}"))
+    yield plane
+    await plane.dataplane.close()
+
+
+def _request(outputs: list[str] | None = None) -> InferenceRequest:
+    return InferenceRequest(inputs={"x": X}, outputs=outputs)
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.anyio
+async def test_the_answer_names_the_version_that_served_it(plane: Plane) -> None:
+    dp = plane.dataplane
+    task = asyncio.create_task(dp.infer("tiny", None, _request([]), protocol="test"))
+    mv = plane.registry.get("tiny", "1.0")
+    await _until(lambda: dp.inflight == 1 and mv.batcher is not None and mv.batcher.depth == 0)
+    # The default changes while the request runs on version 1.0: the answer still says 1.0.
+    plane.management.set_default("tiny", "2.0")
+    served = await task
+    assert served.model_version == "1.0"
+    assert np.allclose(served.outputs[0][1], reference_output(X), atol=1e-5)
+    again = await dp.infer("tiny", None, _request([]), protocol="test")
+    assert again.model_version == "2.0"
+    assert np.allclose(again.outputs[0][1], 2 * reference_output(X), atol=1e-5)
+
+
+@pytest.mark.anyio
+async def test_outputs_are_selected_for_tensor_protocols_only(plane: Plane) -> None:
+    dp = plane.dataplane
+    tensors = await dp.infer("tiny", "2.0", _request(["output0"]), protocol="test")
+    assert [name for name, _ in tensors.outputs] == ["output0"]
+    as_is = await dp.infer("tiny", "2.0", _request(None), protocol="test")
+    assert as_is.outputs == [] and set(as_is.response.outputs) == {"output0"}
+    with pytest.raises(InvalidInput, match=r"unknown output\(s\) nope"):
+        await dp.infer("tiny", "2.0", _request(["nope"]), protocol="test")
+    assert plane.requests(400, "2.0") == 1
+    assert plane.requests(200, "2.0") == 2
+
+
+@pytest.mark.anyio
+async def test_the_model_is_checked_before_the_request_is_decoded(plane: Plane) -> None:
+    decoded: list[bool] = []
+
+    def decode() -> InferenceRequest:
+        decoded.append(True)
+        raise InvalidInput("the body is not valid JSON")
+
+    with pytest.raises(ModelNotFound, match="model 'nope' is not registered"):
+        await plane.dataplane.infer("nope", None, decode, protocol="test")
+    assert decoded == []
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        await plane.dataplane.infer("tiny", "2.0", decode, protocol="test")
+    assert decoded == [True]
+
+
+@pytest.mark.anyio
+async def test_a_stream_request_can_be_withdrawn(plane: Plane) -> None:
+    dp = plane.dataplane
+    mv = plane.registry.get("tiny", "1.0")
+    assert mv.batcher is not None
+    first = dp.submit("tiny", "1.0", _request([]), protocol="test")
+    await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0)
+    queued = dp.submit("tiny", "1.0", _request([]), protocol="test")
+    assert mv.batcher.depth == 1
+    queued.cancel()
+    await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0, timeout_s=0.5)
+    served = await first
+    assert isinstance(served, Served) and served.model_version == "1.0"
+    await _until(lambda: dp.inflight == 0)
+    assert plane.requests(499) == 1 and plane.requests(200) == 1
+
+
+@pytest.mark.anyio
+async def test_a_full_queue_answers_at_once(plane: Plane) -> None:
+    dp = plane.dataplane
+    futures = [dp.submit("tiny", "1.0", _request([]), protocol="test") for _ in range(6)]
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    refused = [r for r in results if isinstance(r, QueueFull)]
+    assert refused and all(isinstance(r, (Served, QueueFull)) for r in results)
+    assert "retry later" in refused[0].message
+
+
+@pytest.mark.anyio
+async def test_drain_waits_for_accepted_requests_and_then_refuses(plane: Plane) -> None:
+    dp = plane.dataplane
+    task = asyncio.create_task(dp.infer("tiny", "1.0", _request([]), protocol="test"))
+    await _until(lambda: dp.inflight == 1)
+    assert await dp.drain(timeout_s=30.0)
+    assert task.done() and (await task).model_version == "1.0"
+    with pytest.raises(ModelNotReady, match="shutting down"):
+        await dp.infer("tiny", "1.0", _request([]), protocol="test")
+    assert not dp.ready()
+
+
+@pytest.mark.anyio
+async def test_drain_reports_requests_still_running(store: Path) -> None:
+    plane = Plane(store)
+    await plane.management.register(Registration(url="tiny-1.0"))
+    try:
+        task = asyncio.create_task(plane.dataplane.infer("tiny", None, _request([]), protocol="t"))
+        await _until(lambda: plane.dataplane.inflight == 1)
+        assert not await plane.dataplane.drain(timeout_s=0.0)
+        await task
+    finally:
+        await plane.dataplane.close()
+
+
+def test_registration_parameters_are_checked_once_for_both_transports() -> None:
+    with pytest.raises(InvalidInput) as info:
+        Registration.parse({"url": "m.mar", "batch_size": 0, "worker_mode": "fork"})
+    assert info.value.message.startswith("invalid request parameter(s): batch_size: ")
+    assert "worker_mode: " in info.value.message
+    registration = Registration.parse({"url": "m.mar", "initial_workers": 2, "max_batch_delay": 5})
+    assert registration.overrides()["workers"] == 2
+    assert registration.overrides()["max_batch_delay_ms"] == 5
+    assert Scaling.parse({"min_worker": 2}).workers == 2
+    assert Scaling.parse({"min_worker": 1, "max_worker": 3}).workers == 3
+    with pytest.raises(InvalidInput, match="min_worker: "):
+        Scaling.parse({"min_worker": -1})
+
+
+@pytest.mark.anyio
+async def test_management_describes_what_the_data_plane_serves(plane: Plane) -> None:
+    described = plane.management.describe("tiny", "all")
+    assert [d["modelVersion"] for d in described] == ["1.0", "2.0"]
+    assert plane.management.list_models()["models"][0]["modelName"] == "tiny"
+    done, message = await plane.management.scale(
+        "tiny", "2.0", Scaling(min_worker=2, synchronous=True)
+    )
+    assert done and "Workers scaled to 2" in message
+    assert plane.registry.get("tiny", "2.0").pool is not None
+    with pytest.raises(ServingError):
+        await plane.management.unregister("tiny", "1.0")  # the default: set another first
