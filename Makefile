@@ -7,25 +7,32 @@ IMAGE ?= scriptserve:cpu
 BASE_IMAGE ?= python:3.11-slim
 BUILDAH ?= buildah
 
-.PHONY: install demo demo-archive digits test lint bench gen-proto image
+.PHONY: install install-serve demo demo-archive digits test lint bench gen-proto image
 
+PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt
+
+# What serving and training need (the runtime dependencies and the `train` extra): `make demo`.
+install-serve:
+	$(PIP_INSTALL) -e '.[train]'
+
+# Everything, test and lint tools included (the `dev` extra): `make test`, `make lint`.
 install:
-	$(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 
 # Build the demo archive and train the digits classifier into model_store/ (the training only
 # when model_store/ has no digits archive), run one prediction in-process, then serve them all.
-demo: install demo-archive digits
+demo: install-serve demo-archive digits
 	scriptserve predict model_store/demo.mar --input $(DEMO_DIR)/sample.json
 	scriptserve serve --model-store model_store --models all
 
-demo-archive: install
+demo-archive: install-serve
 	$(PYTHON) scripts/demo_model.py $(DEMO_DIR)
 	model-archiver --model-name demo --version 1.0 --serialized-file $(DEMO_DIR)/demo.pt \
 		--handler tensor --sample-input $(DEMO_DIR)/sample.json --export-path model_store -f
 	scriptserve archive verify model_store/demo.mar
 
-# Train the digits classifier into model_store/ (about a minute on 2 cores), unless it is there.
-digits: install
+# Train the digits classifier into model_store/ (about 8 s on 2 cores), unless it is there.
+digits: install-serve
 	test -f model_store/digits.mar || \
 		$(PYTHON) -m scriptserve.training --model lenet --epochs 10 --formats torchscript,onnx --out model_store
 
@@ -41,7 +48,9 @@ image:
 		-f docker/Dockerfile -t $(IMAGE) .
 
 # mypy checks the package as it is imported (`scriptserve.*`) through build/typecheck/, a tree of
-# links to the package's folders; lint-imports checks the architecture's import rules.
+# links to the package's folders; lint-imports checks the architecture's import rules (the
+# contracts in pyproject.toml) through the same tree: from the repository root it would take
+# benchmarks/ for a subpackage.
 PACKAGE_PARTS = __init__.py __main__.py py.typed archiver handlers server training
 
 lint: install
@@ -50,6 +59,7 @@ lint: install
 	mkdir -p build/typecheck/scriptserve
 	for part in $(PACKAGE_PARTS); do ln -sfn ../../../$$part build/typecheck/scriptserve/$$part; done
 	mypy
+	PYTHONPATH=build/typecheck lint-imports --no-cache
 
 gen-proto: install
 	$(PYTHON) scripts/gen_proto.py

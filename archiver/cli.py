@@ -76,12 +76,36 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(1)
 
 
+class ModelVersionAction(argparse.Action):
+    """`-v/--version VERSION` is the model's version (TorchServe's flag); given alone, without a
+    value, it prints scriptserve's version and exits, as `--version` does for other commands."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        if values is None:
+            print(f"{parser.prog} {__version__}")
+            parser.exit()
+        setattr(namespace, self.dest, values)
+
+
 def add_create_arguments(parser: argparse.ArgumentParser) -> None:
     """TorchServe's torch-model-archiver flags, plus the signature flags of scriptserve."""
     parser.add_argument(
         "--model-name", required=True, help="name of the model; the archive is <name>.mar"
     )
-    parser.add_argument("-v", "--version", required=True, help="model version, e.g. 1.0")
+    parser.add_argument(
+        "-v",
+        "--version",
+        required=True,
+        nargs="?",
+        action=ModelVersionAction,
+        help="model version, e.g. 1.0 (alone, without a value: print scriptserve's version)",
+    )
     parser.add_argument(
         "--serialized-file",
         required=True,
