@@ -43,7 +43,7 @@ class ManifestError(ValueError):
 
 def check_model_name(name: str) -> str:
     """Return `name` if it is a valid model name, else raise ManifestError."""
-    if not MODEL_NAME_PATTERN.match(name):
+    if not MODEL_NAME_PATTERN.fullmatch(name):  # match() lets `$` pass a trailing newline
         raise ManifestError(
             f"invalid model name {name!r}: use letters, digits, '_', '-' and '.', "
             "starting with a letter or digit"

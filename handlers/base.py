@@ -132,6 +132,14 @@ class BaseHandler:
     supports_batching: ClassVar[bool] = True
     thread_safe: ClassVar[bool] = False
 
+    @classmethod
+    def request_signature(cls, signature: Signature) -> Signature | None:
+        """The inputs a tensor request (Open Inference Protocol) must carry for this handler:
+        the server checks names, datatypes, ranks and fixed sizes against it before the request
+        is queued. None (the default) when the handler takes other inputs and checks them
+        itself, e.g. encoded images for a model whose own input is a pixel tensor."""
+        return None
+
     def __init__(self) -> None:
         self.context: Context | None = None
         self.model: Any = None

@@ -46,6 +46,11 @@ class TensorBatch:
 class TensorHandler(BaseHandler):
     thread_safe = True  # per-batch state lives in TensorBatch, never on self
 
+    @classmethod
+    def request_signature(cls, signature: Signature) -> Signature | None:
+        """Tensor requests carry exactly the model's inputs (when the archive records them)."""
+        return signature if signature.inputs else None
+
     def initialize(self, context: Context) -> None:
         super().initialize(context)
         self.signature: Signature = context.signature

@@ -2,8 +2,9 @@
 (grpc.aio) sharing one data plane.
 
 The listeners start first, so liveness answers while models load; readiness follows the
-models. SIGTERM / SIGINT: readiness turns 503, the listeners close, in-flight requests finish
-(up to the drain timeout), queued work drains, workers stop, and the process exits 0.
+models. SIGTERM / SIGINT starts the drain (see `drain`): readiness turns 503, every HTTP answer
+carries `Connection: close` and the listeners close, in-flight requests finish (up to the drain
+timeout), queued work drains, workers stop, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from scriptserve.server.grpc.server import GrpcServers
 from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, find_archives
+from scriptserve.server.rest.connections import ConnectionLimits, HttpConnections
 from scriptserve.server.rest.guard import guarded
 from scriptserve.server.rest.inference import create_inference_app
 from scriptserve.server.rest.management import create_management_app
@@ -61,6 +63,11 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         # One set of signal handlers for the whole process, installed by `serve`.
         yield
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets; open connections carry on."""
+        for listener in getattr(self, "servers", ()):
+            listener.close()
 
 
 def available_devices(settings: ServerSettings) -> list[str]:
@@ -149,12 +156,25 @@ async def serve(settings: ServerSettings) -> int:
     apps: list[tuple[str, FastAPI, str]] = [
         (
             "inference",
-            guarded(create_inference_app(dataplane, settings), keys, "inference", limit, *probes),
+            guarded(
+                create_inference_app(dataplane, settings),
+                keys,
+                "inference",
+                limit,
+                *probes,
+                metrics=metrics,
+            ),
             settings.inference_address,
         ),
         (
             "management",
-            guarded(create_management_app(management, settings), keys, "management", limit),
+            guarded(
+                create_management_app(management, settings),
+                keys,
+                "management",
+                limit,
+                metrics=metrics,
+            ),
             settings.management_address,
         ),
         # Prometheus scrapes without a key; the metrics port binds loopback by default.
@@ -165,14 +185,18 @@ async def serve(settings: ServerSettings) -> int:
         ),
     ]
     sockets = [bind(address) for _, _, address in apps]
+    connections = HttpConnections(ConnectionLimits.from_settings(settings))
     servers = []
     for _, app, _ in apps:
         config = uvicorn.Config(
             app,
+            http=connections.protocol_class(),
+            ws="none",
             log_config=None,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+            # `drain` has waited for the connections already: this is only for the last writes.
+            timeout_graceful_shutdown=1,
             backlog=2048,
         )
         servers.append(_Server(config))
@@ -208,12 +232,7 @@ async def serve(settings: ServerSettings) -> int:
     )
 
     await stop.wait()
-    log.info("shutting down: draining in-flight requests (up to %g s)", settings.drain_timeout_s)
-    # Readiness answers 503 and new requests are refused while the accepted ones finish; the
-    # listeners stay open meanwhile, so probes and clients get an answer, not a refused connection.
-    await grpc_servers.not_serving()
-    if not await dataplane.drain(settings.drain_timeout_s):
-        log.warning("drain timeout: %d request(s) still in flight", dataplane.inflight)
+    await drain(settings, dataplane, connections, servers, grpc_servers)
     for s in servers:
         s.should_exit = True
     await asyncio.gather(*tasks, grpc_servers.stop(1.0), return_exceptions=True)
@@ -222,6 +241,46 @@ async def serve(settings: ServerSettings) -> int:
         sock.close()
     log.info("stopped")
     return 0
+
+
+async def drain(
+    settings: ServerSettings,
+    dataplane: DataPlane,
+    connections: HttpConnections,
+    servers: list[_Server],
+    grpc_servers: GrpcServers,
+) -> None:
+    """Answer what was accepted, tell every client to go elsewhere, and stop accepting.
+
+    At once: readiness answers 503, new inference requests 503, gRPC health NOT_SERVING, every
+    HTTP response that starts carries `Connection: close` (so no keep-alive client sends another
+    request on a connection that is about to close), and the HTTP listeners close. Closing them
+    first, before any client was told to reconnect, leaves the kernel's accept queue empty when
+    it is reset; later, a reconnecting client would be refused, and a refused connection carries
+    no request, so the client may retry it anywhere. Keep-alive connections get
+    `drain_keepalive_grace_s` to send their next request (answered 503, then closed); those
+    still idle then are closed; the others close after their answer, all within
+    `drain_timeout_s`.
+    """
+    log.info("shutting down: draining in-flight requests (up to %g s)", settings.drain_timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.drain_timeout_s
+    # Both at once, in this order: a response that says `Connection: close` is a draining one
+    # (readiness 503), never a 200 from a readiness check that raced with the signal.
+    dataplane.draining = True
+    connections.drain()
+    requests_done = asyncio.ensure_future(dataplane.drain(settings.drain_timeout_s))
+    for s in servers:
+        s.stop_accepting()
+    log.info("HTTP listeners closed; %d connection(s) open", len(connections.open))
+    await grpc_servers.not_serving()
+    grace = min(settings.drain_keepalive_grace_s, settings.drain_timeout_s)
+    await connections.wait_closed(grace)
+    connections.close_idle()
+    if not await connections.wait_closed(max(0.0, deadline - loop.time())):
+        log.warning("drain timeout: %d HTTP connection(s) still open", len(connections.open))
+    if not await requests_done:
+        log.warning("drain timeout: %d request(s) still in flight", dataplane.inflight)
 
 
 def run(settings: ServerSettings) -> int:

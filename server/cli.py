@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from scriptserve.archiver.cli import USER_ERRORS, add_archive_subcommands, fail,
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import Context, HandlerError, InferenceRequest, run_batch
 from scriptserve.handlers.loader import load_handler, read_model_config, worker_scope
+from scriptserve.server.log_format import configure_logging
 from scriptserve.server.settings import FlagAliases, ServerSettings, load_settings
 
 
@@ -142,10 +142,9 @@ def serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except (ValidationError, ValueError) as exc:
         fail("scriptserve serve", f"invalid settings: {exc}")
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # Every logger, uvicorn's and grpc's included, ends at this handler: control characters a
+    # client sent (a newline in a model name or request id) are escaped, never a new line.
+    configure_logging(settings.log_level)
     if settings.ts_config is not None:
         from scriptserve.server.torchserve_config import report_torchserve_config
 

@@ -25,9 +25,9 @@ import numpy as np
 from scriptserve import __version__
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.batching import DynamicBatcher, Job
-from scriptserve.server.codec.tensors import select_outputs
+from scriptserve.server.codec.tensors import check_signature, select_outputs
 from scriptserve.server.description import ModelMetadata, quantization_parameters
-from scriptserve.server.errors import DeadlineExceeded, ModelNotReady, ServingError
+from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ModelNotReady, ServingError
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.settings import ServerSettings
@@ -62,8 +62,23 @@ Request = InferenceRequest | Callable[[], InferenceRequest]
 """A request, or the function that decodes it from the wire (it raises InvalidInput)."""
 
 
-def _decoded(request: Request) -> InferenceRequest:
-    return request if isinstance(request, InferenceRequest) else request()
+def _decoded(mv: ModelVersion, request: Request) -> InferenceRequest:
+    """The request as the model's worker will see it, checked before it is queued: whatever the
+    client sent that cannot be decoded is its error (400), never the server's."""
+    if not isinstance(request, InferenceRequest):
+        try:
+            request = request()
+        except ServingError:
+            raise
+        except Exception as exc:
+            log.debug("model=%s a request could not be decoded: %r", mv.name, exc)
+            raise InvalidInput(
+                f"the request could not be decoded ({type(exc).__name__}); check it against "
+                f"the model's metadata (GET /v2/models/{mv.name})"
+            ) from None
+    if mv.request_signature is not None and request.outputs is not None:
+        check_signature(mv.name, mv.request_signature, request.inputs)
+    return request
 
 
 def _served(mv: ModelVersion, response: InferenceResponse, outputs: Sequence[str] | None) -> Served:
@@ -149,7 +164,7 @@ class DataPlane:
         mv: ModelVersion | None = None
         try:
             mv = self._serving(name, version)
-            job, timer = self._enqueue(mv, _decoded(request), timeout_s)
+            job, timer = self._enqueue(mv, _decoded(mv, request), timeout_s)
             self._enter(mv)
             try:
                 response = await job.future
@@ -191,7 +206,7 @@ class DataPlane:
         outcome: asyncio.Future[Served] = loop.create_future()
         try:
             mv = self._serving(name, version)
-            job, timer = self._enqueue(mv, _decoded(request), timeout_s)
+            job, timer = self._enqueue(mv, _decoded(mv, request), timeout_s)
         except ServingError as exc:
             outcome.set_exception(exc)
             elapsed = time.perf_counter() - started
@@ -237,7 +252,12 @@ class DataPlane:
         mv = self.registry.get(name, version)
         if mv.state is ModelState.FAILED:
             raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
-        if not mv.serving or mv.batcher is None:
+        if mv.pool.size == 0:
+            raise ModelNotReady(
+                f"model {name!r} version {mv.version} is scaled to 0 workers; scale it up "
+                "(PUT /models/NAME?min_worker=1) or use another version"
+            )
+        if not mv.serving:
             raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
         return mv
 

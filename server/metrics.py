@@ -102,6 +102,10 @@ class ServerMetrics:
             "scriptserve_workers_stuck", "Workers stuck in one call past the response timeout",
             ["model", "version"], registry=self.registry,
         )  # fmt: skip
+        self.client_disconnects = Counter(
+            "scriptserve_client_disconnects", "HTTP requests whose client went away mid-body",
+            ["api"], registry=self.registry,
+        )  # fmt: skip
 
     def watch(self, source: Callable[[], Iterable[VersionStats]]) -> None:
         """Report queue depth, workers and model states from `source` at every scrape."""

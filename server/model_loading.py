@@ -150,6 +150,7 @@ class ModelLoader:
             reader=reader,
             batcher=batcher,
             pool=pool,
+            request_signature=cls.request_signature(manifest.signature),
             loaded_at_startup=startup,
         )
 

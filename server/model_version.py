@@ -14,6 +14,7 @@ from pathlib import Path
 
 from scriptserve.archiver.archive import ArchiveReader
 from scriptserve.archiver.manifest import Manifest
+from scriptserve.archiver.signature import Signature
 from scriptserve.server.batching import DynamicBatcher
 from scriptserve.server.model_settings import ModelSettings
 from scriptserve.server.workers import AnyWorkerPool
@@ -38,6 +39,8 @@ class ModelVersion:
     reader: ArchiveReader
     batcher: DynamicBatcher
     pool: AnyWorkerPool
+    request_signature: Signature | None = None
+    """What a tensor request must carry, checked before it is queued (None: the handler checks)."""
     loaded_at_startup: bool = False
     loaded_at: float = field(default_factory=time.time)
     unloading: bool = False

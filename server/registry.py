@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,10 @@ def archive_stem(path: Path) -> str:
     return name
 
 
+def _scaled_to_zero(mv: RegisteredVersion) -> bool:
+    return isinstance(mv, ModelVersion) and mv.state is ModelState.READY and mv.pool.size == 0
+
+
 class ModelRegistry:
     def __init__(
         self, settings: ServerSettings, metrics: ServerMetrics, devices: list[str]
@@ -85,6 +90,9 @@ class ModelRegistry:
         self._defaults: dict[str, str] = {}
         self._failed: dict[str, FailedVersion] = {}
         self._loading: set[tuple[str, str]] = set()
+        self._scaling: weakref.WeakKeyDictionary[ModelVersion, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # -- lookup -----------------------------------------------------------------------------
     def get(self, name: str, version: str | None = None) -> ModelVersion:
@@ -121,8 +129,10 @@ class ModelRegistry:
         yield from self._failed.values()
 
     def healthy(self) -> bool:
-        """Every model that should be loaded is ready (TorchServe's /ping)."""
-        return all(mv.ready for mv in list(self.all_versions()))
+        """Every model that should be loaded is ready (TorchServe's /ping). A version scaled to
+        0 workers does not count: its operator asked for no capacity, and the replica's other
+        models must stay in service (its own readiness, and its requests, answer 503)."""
+        return all(mv.ready or _scaled_to_zero(mv) for mv in list(self.all_versions()))
 
     def stats(self) -> Iterator[VersionStats]:
         for mv in self.all_versions():
@@ -208,17 +218,53 @@ class ModelRegistry:
         return failed
 
     async def scale(self, mv: ModelVersion, workers: int) -> None:
+        """Run `workers` workers. At 0, what waits in the queue is answered 503 at once (the
+        requests running finish first): nobody is left to run it."""
         if workers < 0:
             raise InvalidInput("the number of workers must be >= 0")
-        await asyncio.to_thread(mv.pool.scale, workers)
+        # One scaling of a version at a time, in the order asked (asynchronous ones included):
+        # the last one asked is the size it ends at.
+        async with self._scaling.setdefault(mv, asyncio.Lock()):
+            if mv.unloading:
+                raise ModelNotFound(f"model {mv.name!r} version {mv.version} was unregistered")
+            try:
+                await asyncio.to_thread(mv.pool.scale, workers)
+            except HandlerError as exc:
+                raise ServingError(
+                    f"model {mv.name!r} version {mv.version} could not start a worker: "
+                    f"{exc.message}; it keeps its {mv.pool.size} worker(s)"
+                ) from None
+            if mv.pool.size == 0:
+                # On the loop, where requests are queued: one that found a worker before they
+                # left is in the queue now, and any later one is refused (no live worker).
+                mv.pool.fail_queued(
+                    ModelNotReady(
+                        f"model {mv.name!r} version {mv.version} was scaled to 0 workers; scale "
+                        f"it up again to serve it (PUT /models/{mv.name}?min_worker=1)"
+                    )
+                )
 
     async def unload(
         self, name: str, version: str | None, drain_s: float, force: bool = False
     ) -> RegisteredVersion:
-        """Stop routing to a version, let its queue drain (within `drain_s`), then stop its
-        workers."""
+        """Unregister a version: stop routing to it, answer what waits in its queue 503 at once,
+        let the requests its workers are running finish (within `drain_s`), then stop them."""
         if version is None and name in self._failed and name not in self._versions:
             return self._failed.pop(name)
+        mv = self._remove(name, version, force)
+        # Nothing can be queued after this (the version is no longer routed to): what is queued
+        # now would only wait for workers that are about to stop.
+        mv.pool.fail_queued(
+            ModelNotReady(
+                f"model {mv.name!r} version {mv.version} was unregistered before this request "
+                "ran; retry"
+            )
+        )
+        await asyncio.to_thread(stop_version, mv, drain_s)
+        return mv
+
+    def _remove(self, name: str, version: str | None, force: bool) -> ModelVersion:
+        """Take a version out of the registry (no request is routed to it any more)."""
         mv = self.get(name, version)
         versions = self._versions[name]
         if not force and self._defaults.get(name) == mv.version and len(versions) > 1:
@@ -231,9 +277,6 @@ class ModelRegistry:
         if not versions:
             del self._versions[name]
             del self._defaults[name]
-        deadline = time.monotonic() + drain_s
-        await asyncio.to_thread(mv.batcher.wait_empty, drain_s)
-        await asyncio.to_thread(stop_version, mv, max(0.0, deadline - time.monotonic()))
         return mv
 
     def set_default(self, name: str, version: str) -> None:
@@ -241,9 +284,15 @@ class ModelRegistry:
         self._defaults[name] = version
 
     async def close(self, drain_s: float) -> None:
-        """Stop every model: queues drain first, within `drain_s` in all."""
+        """Stop every model (the server is shutting down): unlike `unload`, queued requests are
+        still run, within `drain_s` in all."""
         deadline = time.monotonic() + drain_s
+
+        def remaining() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         for name in list(self._versions):
             for version in list(self._versions.get(name, {})):
-                remaining = max(0.0, deadline - time.monotonic())
-                await self.unload(name, version, remaining, force=True)
+                mv = self._remove(name, version, force=True)
+                await asyncio.to_thread(mv.batcher.wait_empty, remaining())
+                await asyncio.to_thread(stop_version, mv, remaining())

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urljoin, urlsplit
 
+from scriptserve.server.codec.header_values import non_negative_int
 from scriptserve.server.errors import (
     Conflict,
     InvalidInput,
@@ -264,8 +265,8 @@ async def fetch_archive(url: str, settings: ServerSettings) -> Path:
                         raise InvalidInput(
                             f"downloading the archive failed: HTTP {response.status_code}"
                         )
-                    declared = response.headers.get("content-length", "")
-                    if declared.isdigit() and int(declared) > limit:
+                    declared = non_negative_int(response.headers.get("content-length", ""))
+                    if declared is not None and declared > limit:
                         raise PayloadTooLarge(f"the archive is larger than {limit} bytes")
                     size = 0
                     with part.open("wb") as out:

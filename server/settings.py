@@ -195,6 +195,51 @@ class ServerSettings(BaseSettings):
     """Allow register / unregister through the management API (TorchServe's enable_model_api)."""
     drain_timeout_s: Annotated[float, FlagAliases("--drain-timeout")] = Field(default=30.0, ge=0)
     """On SIGTERM, how long in-flight requests may take to finish."""
+
+    # Hostile clients and the drain (docs/security.md, "Connections").
+    drain_keepalive_grace_s: float = Field(default=1.0, ge=0)
+    """On SIGTERM, how long (within drain_timeout_s) an idle keep-alive HTTP connection is left
+    for its client's next request, answered 503 with `Connection: close`, before it is closed
+    (closing it at once races with a request already on its way)."""
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    """Time for a request line and headers to arrive: from connection open for a new
+    connection, from the first byte of the head on a keep-alive one (nginx's
+    client_header_timeout); then 408, or a close when nothing was sent."""
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest pause between two reads of a request body (nginx's client_body_timeout); then
+    408 and the connection closes."""
+    http_max_header_bytes: int = Field(default=61440, ge=1024)
+    """Largest request line plus headers (Envoy's max_request_headers_kb, 60 KiB); larger: 431
+    and the connection closes without reading the rest."""
+    http_max_connections: int = Field(default=1024, ge=1)
+    """Open HTTP connections across the three HTTP APIs; at the limit a new one closes the
+    longest-idle connection, or is answered 503 when none is idle. Lowered to what the
+    open-file limit allows."""
+    grpc_max_concurrent_streams: int = Field(default=1024, ge=1)
+    """Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS);
+    clients queue the calls beyond it. Above a model's default queue, so one multiplexing client
+    can still fill it; Envoy recommends 100 at an edge facing the internet."""
+    grpc_keepalive_time_s: float = Field(default=7200.0, gt=0)
+    """Idle time after which the server pings a gRPC client to check it is still there."""
+    grpc_keepalive_timeout_s: float = Field(default=20.0, gt=0)
+    """How long that ping may go unanswered before the connection is closed."""
+    grpc_keepalive_min_ping_interval_s: float = Field(default=300.0, ge=0)
+    """Shortest interval between a client's pings when no data flows; a faster ping is a strike."""
+    grpc_keepalive_max_ping_strikes: int = Field(default=2, ge=0)
+    """Strikes before the server closes the connection (GOAWAY `too_many_pings`); 0 = never."""
+    grpc_keepalive_max_pings_without_data: int = Field(default=2, ge=0)
+    """Keepalive pings the server sends while no data flows before it waits for data; 0 = no
+    limit."""
+    grpc_keepalive_permit_without_calls: bool = False
+    """Accept client pings on a connection without calls (else each counts as a strike)."""
+    grpc_max_connection_idle_s: float = Field(default=300.0, ge=0)
+    """A gRPC connection without calls for this long is closed (GOAWAY; clients reconnect on
+    their next call); 0 = never."""
+    grpc_max_connection_age_s: float = Field(default=0.0, ge=0)
+    """A gRPC connection is closed (GOAWAY) after this long, spreading clients over replicas
+    behind a connection-level balancer; 0 = never."""
+    grpc_max_connection_age_grace_s: float = Field(default=30.0, ge=0)
+    """Once a connection reaches its maximum age, how long its open calls may take to finish."""
     docs: bool = True
     """Serve /openapi.json and /docs."""
 

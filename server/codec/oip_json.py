@@ -16,6 +16,7 @@ import orjson
 
 from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.codec.header_values import non_negative_int
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,
@@ -64,12 +65,10 @@ def decode_request(
 ) -> OipRequest:
     """Parse an infer request body; raises InvalidInput naming what is wrong."""
     if header_length is not None:
-        # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
-        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(
-            body
-        ):
+        length = non_negative_int(header_length)
+        if length is None or length > len(body):
             raise InvalidInput(f"{HEADER_LENGTH} must be the JSON header's length in bytes")
-        split = int(header_length)
+        split = length
     else:
         split = len(body)
     try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
+from scriptserve.archiver.signature import Signature, SignatureError, datatype_of, numpy_dtype
 from scriptserve.server.errors import InvalidInput
 
 
@@ -32,13 +32,26 @@ def tensor_dtype(name: str, datatype: str) -> np.dtype[Any]:
         raise InvalidInput(f"input {name!r}: {exc}") from None
 
 
+MAX_RANK = 32
+"""Most dimensions a tensor may have (numpy's own limit before 2.0)."""
+MAX_DIMENSION = 2**31 - 1
+"""Largest size of one dimension. A shape is checked before anything is allocated for it, and
+every element must then arrive as bytes or values, so this bounds what numpy is asked to describe
+(a zero-sized [0, 2**63-1] is otherwise a ValueError deep in numpy), not what is allocated."""
+
+
 def check_shape(name: str, shape: Any) -> list[int]:
-    """The shape as a list of non-negative integers (a JSON `true` is not a dimension)."""
+    """The shape as a list of non-negative integers within the bounds (a JSON `true` is not a
+    dimension)."""
     if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     dims = list(shape)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    if len(dims) > MAX_RANK:
+        raise InvalidInput(f"input {name!r}: {len(dims)} dimensions; at most {MAX_RANK}")
+    if any(d > MAX_DIMENSION for d in dims):
+        raise InvalidInput(f"input {name!r}: a dimension is larger than {MAX_DIMENSION}")
     return dims
 
 
@@ -47,6 +60,11 @@ def decode_raw(name: str, datatype: str, shape: list[int], raw: bytes) -> np.nda
     count = math.prod(shape)
     dtype = tensor_dtype(name, datatype)
     if datatype == "BYTES":
+        if count * 4 > len(raw):  # every element is at least its 4-byte length
+            raise InvalidInput(
+                f"input {name!r}: shape {shape} needs {count} BYTES elements; "
+                f"{len(raw)} bytes cannot hold them"
+            )
         items: list[bytes] = []
         pos = 0
         while pos < len(raw):
@@ -137,3 +155,28 @@ def select_outputs(
         known = ", ".join(outputs)
         raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
     return [(name, outputs[name]) for name in requested or outputs]
+
+
+def check_signature(
+    model_name: str, signature: Signature, inputs: Mapping[str, np.ndarray]
+) -> None:
+    """A tensor request against the inputs its model takes: names, datatypes, ranks and fixed
+    sizes (-1 is any size). Raises InvalidInput naming the first difference."""
+    for name, array in inputs.items():
+        spec = signature.input(name)
+        if spec is None:
+            known = ", ".join(t.name for t in signature.inputs)
+            raise InvalidInput(f"unknown input {name!r}; the model's inputs are {known}")
+        got = datatype_of(array.dtype)
+        if got != spec.datatype:
+            raise InvalidInput(
+                f"input {name!r} has datatype {got}; the model expects {spec.datatype}"
+            )
+        if not spec.accepts_shape(array.shape):
+            raise InvalidInput(
+                f"input {name!r} has shape {list(array.shape)}; the model expects "
+                f"{list(spec.shape)} (-1 = any size)"
+            )
+    missing = [t.name for t in signature.inputs if t.name not in inputs]
+    if missing:
+        raise InvalidInput(f"model {model_name!r} needs input(s): {', '.join(missing)}")

@@ -2,7 +2,9 @@
 
 Both serve the standard health service (`grpc.health.v1`) and server reflection. The inference
 port says SERVING once the startup models are loaded (as /v2/health/ready does); on drain both
-turn NOT_SERVING and in-flight calls get the drain timeout to finish.
+turn NOT_SERVING and in-flight calls get the drain timeout to finish. Connections are bounded by
+the settings' stream, keepalive and idle/age limits (`server_options`); a request that is not a
+valid protobuf message is INVALID_ARGUMENT (`server/grpc/malformed.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
 from scriptserve.server.grpc.auth import interceptors
 from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInferenceServicer
+from scriptserve.server.grpc.malformed import MalformedMessageInterceptor
 from scriptserve.server.grpc.management import ManagementServicer
 from scriptserve.server.management import Management
 from scriptserve.server.security import AccessKeys
@@ -30,6 +33,40 @@ from scriptserve.server.settings import ServerSettings
 _OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 _TS = inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name
 _MGMT = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    """The grpc core channel arguments of both servers (docs/security.md, "Connections")."""
+    options = [
+        ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
+        ("grpc.max_send_message_length", settings.grpc_max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", settings.grpc_max_concurrent_streams),
+        ("grpc.keepalive_time_ms", _ms(settings.grpc_keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(settings.grpc_keepalive_timeout_s)),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            round(settings.grpc_keepalive_min_ping_interval_s * 1000),
+        ),
+        ("grpc.http2.max_ping_strikes", settings.grpc_keepalive_max_ping_strikes),
+        ("grpc.http2.max_pings_without_data", settings.grpc_keepalive_max_pings_without_data),
+        ("grpc.keepalive_permit_without_calls", int(settings.grpc_keepalive_permit_without_calls)),
+    ]
+    if settings.grpc_max_connection_idle_s:
+        options.append(("grpc.max_connection_idle_ms", _ms(settings.grpc_max_connection_idle_s)))
+    if settings.grpc_max_connection_age_s:
+        options += [
+            ("grpc.max_connection_age_ms", _ms(settings.grpc_max_connection_age_s)),
+            (
+                "grpc.max_connection_age_grace_ms",
+                round(settings.grpc_max_connection_age_grace_s * 1000),
+            ),
+        ]
+    return options
 
 
 class GrpcServers:
@@ -43,16 +80,15 @@ class GrpcServers:
         keys: AccessKeys | None = None,
     ) -> None:
         keys = keys or AccessKeys(None, None, enforced=False)
-        options = [
-            ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
-            ("grpc.max_send_message_length", settings.grpc_max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
+        options = server_options(settings)
+        # The key check runs first: a call without its key is refused whatever it carries.
         self.inference = grpc.aio.server(
-            options=options, interceptors=interceptors(keys, "inference")
+            options=options,
+            interceptors=[*interceptors(keys, "inference"), MalformedMessageInterceptor()],
         )
         self.management = grpc.aio.server(
-            options=options, interceptors=interceptors(keys, "management")
+            options=options,
+            interceptors=[*interceptors(keys, "management"), MalformedMessageInterceptor()],
         )
         self._health: list[health.aio.HealthServicer] = []
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -17,6 +17,7 @@ from starlette.routing import request_response as starlette_request_response
 from scriptserve import __version__
 from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.codec import oip_json, torchserve
+from scriptserve.server.codec.header_values import positive_seconds
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
 from scriptserve.server.rest.errors import install_error_handlers
@@ -33,12 +34,9 @@ def client_timeout(request: Request) -> float | None:
     value = request.headers.get(TIMEOUT_HEADER)
     if value is None:
         return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds")
+    seconds = positive_seconds(value)
+    if seconds is None:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds, e.g. 2.5")
     return seconds
 
 

@@ -246,8 +246,13 @@ class WorkerPool(Generic[S]):
 
     def scale(self, n: int) -> None:
         """Grow or shrink to `n` workers. Blocking: new workers load their handler first; when
-        one cannot, HandlerError is raised and the pool is left as it was."""
+        one cannot, HandlerError is raised and the pool is left as it was. A stopped pool
+        raises ModelNotReady: its version is gone, and no worker may start for it."""
         with self._lock:
+            if self.closed.is_set():
+                raise ModelNotReady(
+                    f"model {self.model!r} version {self.version} was stopped; it cannot be scaled"
+                )
             first = len(self._slots)
             places = [
                 (next(self._ids), self._devices[i % len(self._devices)]) for i in range(first, n)

@@ -171,3 +171,12 @@ def test_cli_verify_exit_codes(
     assert "verification failed" in line
     assert "changed: tiny.pt" in line
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("name", ["tiny\n", "tiny\nFORGED", "-tiny", "", "ti ny", "tiny/x"])
+def test_model_names_are_letters_digits_and_separators_only(name: str) -> None:
+    from scriptserve.archiver.manifest import ManifestError, check_model_name
+
+    with pytest.raises(ManifestError, match="invalid model name"):
+        check_model_name(name)
+    assert check_model_name("tiny-2.0_b") == "tiny-2.0_b"

@@ -1,6 +1,7 @@
 """The model registry in-process, with real archives: readiness when a worker cannot be replaced,
-unloading that waits for the queue without polling, versions that failed to load, and loads and
-unloads that leave the event loop free for the other models' requests."""
+unloading and scaling to 0 that answer the queue at once and let running requests finish,
+versions that failed to load, and loads and unloads that leave the event loop free for the
+other models' requests."""
 
 from __future__ import annotations
 
@@ -142,7 +143,11 @@ async def test_a_stuck_worker_that_cannot_be_replaced_makes_the_model_unready(
     await answer(stuck)
 
 
-async def test_unload_waits_for_the_queue_then_stops(
+AT_ONCE_S = 1.0
+"""How soon a queued request is answered once no worker is left for it (its deadline: 30 s)."""
+
+
+async def test_unload_fails_the_queue_at_once_and_lets_the_running_request_finish(
     tmp_path: Path, registry: ModelRegistry
 ) -> None:
     source, gate = gated_archive(tmp_path, "queued", minWorkers=1, batchSize=1)
@@ -150,22 +155,45 @@ async def test_unload_waits_for_the_queue_then_stops(
     assert isinstance(mv, ModelVersion)
     first = submit(mv, request(SLEEP))
     await until(lambda: first.taken, "the worker took the first request")
-    queued = [request(seed=i) for i in range(3)]
-    jobs = [submit(mv, req) for req in queued]
+    jobs = [submit(mv, request(seed=i)) for i in range(3)]
 
     unloading = asyncio.create_task(registry.unload("queued", None, drain_s=ANSWER_S))
-    await until(lambda: mv.state is ModelState.UNLOADING, "unloading begun")
-    assert not unloading.done() and mv.batcher.depth == 3
+    for job in jobs:
+        with pytest.raises(ModelNotReady, match=r"model 'queued' version 1\.0 was unregistered"):
+            await asyncio.wait_for(job.future, AT_ONCE_S)
+    assert mv.state is ModelState.UNLOADING and registry.names() == []
+    assert not unloading.done()  # the request the worker runs holds it
     gate.touch()
     await asyncio.wait_for(unloading, ANSWER_S)
-    # Every queued request ran before the workers stopped (none was answered 503).
-    for req, job in zip(queued, jobs, strict=True):
-        assert right(await answer(job), req)
-    await answer(first)
-    assert registry.names() == []
+    assert (await answer(first)).error is None  # it was running: it finished
     assert mv.pool.size == 0
     # Refcounting freed the model's handlers: nothing was left for a full collection.
     assert mv.pool.handlers_alive() == 0
+
+
+async def test_scaling_to_zero_fails_the_queue_at_once_and_scaling_up_serves_again(
+    tmp_path: Path, registry: ModelRegistry
+) -> None:
+    source, gate = gated_archive(tmp_path, "scaled", minWorkers=1, batchSize=1)
+    mv = await registry.load(source)
+    assert isinstance(mv, ModelVersion)
+    first = submit(mv, request(SLEEP))
+    await until(lambda: first.taken, "the worker took the first request")
+    jobs = [submit(mv, request(seed=i)) for i in range(3)]
+
+    await registry.scale(mv, 0)
+    for job in jobs:
+        with pytest.raises(ModelNotReady, match=r"model 'scaled' version 1\.0 was scaled to 0"):
+            await asyncio.wait_for(job.future, AT_ONCE_S)
+    assert (mv.serving, mv.ready, mv.pool.size) == (False, False, 0)
+    assert registry.healthy()  # no capacity was asked for: the others' readiness stands
+    gate.touch()
+    assert (await answer(first)).error is None  # it was running: it finished
+
+    await registry.scale(mv, 1)
+    assert mv.ready
+    req = request(seed=4)
+    assert right(await infer(mv, req), req)
 
 
 async def test_a_version_that_fails_at_startup_is_kept_failed(

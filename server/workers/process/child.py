@@ -32,6 +32,7 @@ from scriptserve.handlers.base import (
     run_batch,
 )
 from scriptserve.handlers.loader import load_handler, worker_scope
+from scriptserve.server.log_format import configure_logging
 from scriptserve.server.workers.process import shared_memory as frames
 
 log = logging.getLogger("scriptserve.workers.child")
@@ -122,9 +123,7 @@ def child_main(conn: Connection, spec: ChildSpec) -> None:
     """Entry point of a worker process (multiprocessing spawn target)."""
     # Ctrl-C reaches the whole process group; the server decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(spec.log_level)  # the server's format, control characters escaped
     if spec.parent_pid:
         threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     context = spec.context

@@ -1,0 +1,108 @@
+"""Log lines nobody can forge: every control character a message carries is escaped.
+
+Model names, request ids, URLs, paths and exception messages reach log lines; many come from
+clients or operators. A newline in one of them would start a line that reads like a record of
+its own (log injection), and an escape sequence could rewrite a terminal. `EscapingFormatter`
+escapes them in the formatted line (`\\n`, `\\r`, `\\t`, `\\x1b`, `\\u2028`, ...), and in the
+message of each exception of an appended traceback, while the traceback keeps its real line
+breaks. It is installed once, on the root handler of the server and of each worker process
+(`configure_logging`); uvicorn's and grpc's loggers propagate to it.
+
+    configure_logging("info")
+    logging.getLogger("x").error("model=%s", "a\\nFORGED")  # ... x: model=a\\nFORGED
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from types import TracebackType
+
+__all__ = ["LOG_FORMAT", "EscapingFormatter", "configure_logging", "escape_controls"]
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
+
+def _escape_table() -> dict[int, str]:
+    table = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+    table.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+    # What str.splitlines() (and some log viewers) also take for line ends.
+    table.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+    return table
+
+
+_ESCAPES = _escape_table()
+
+
+def escape_controls(text: str) -> str:
+    """`text` with C0 and C1 control characters, DEL and the Unicode line and paragraph
+    separators written as escapes: the result is one line."""
+    return text.translate(_ESCAPES)
+
+
+def _exception_texts(root: traceback.TracebackException) -> set[str]:
+    """The lines naming each exception of a chain ("ValueError: its message", its notes): the
+    parts of a traceback that carry an exception's text rather than the stack."""
+    texts: set[str] = set()
+    pending, seen = [root], set()
+    while pending:
+        te = pending.pop()
+        if id(te) in seen:
+            continue
+        seen.add(id(te))
+        texts.update(te.format_exception_only())
+        pending.extend(t for t in (te.__cause__, te.__context__) if t is not None)
+        pending.extend(getattr(te, "exceptions", None) or ())  # groups: Python 3.11+
+    return texts
+
+
+def _escaped_traceback(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> str:
+    te = traceback.TracebackException(exc_type, exc, tb, compact=True)
+    texts = _exception_texts(te)
+    text = "".join(_escape_line(chunk) if chunk in texts else chunk for chunk in te.format())
+    return text.removesuffix("\n")
+
+
+def _escape_line(line: str) -> str:
+    """Escape what `line` holds but keep the line break that ends it."""
+    if line.endswith("\n"):
+        return escape_controls(line[:-1]) + "\n"
+    return escape_controls(line)
+
+
+class EscapingFormatter(logging.Formatter):
+    """A Formatter whose lines are single lines, but for the tracebacks it appends (exc_info,
+    stack_info), whose stack keeps its line breaks; see the module docstring."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        # A traceback another formatter cached on the record may carry raw line breaks.
+        cached = record.exc_text
+        if record.exc_info:
+            record.exc_text = None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_text = cached
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return escape_controls(super().formatMessage(record))
+
+    def formatException(self, ei: ExcInfo) -> str:
+        exc_type, exc, tb = ei
+        if exc_type is None or exc is None:
+            return super().formatException(ei)
+        return _escaped_traceback(exc_type, exc, tb)
+
+
+def configure_logging(level: int | str) -> None:
+    """Log to stderr through an EscapingFormatter at `level` (as logging.basicConfig does: only
+    when the root logger has no handler yet)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter(LOG_FORMAT))
+    logging.basicConfig(
+        level=level.upper() if isinstance(level, str) else level, handlers=[handler]
+    )
