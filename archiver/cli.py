@@ -6,59 +6,28 @@ Exit codes: 0 success, 2 usage error (argparse), 1 failure with a one-line reaso
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
-
-import numpy as np
-import yaml
 
 from scriptserve import __version__
 from scriptserve.archiver.archive import (
     ArchiveError,
     ArchiveFormat,
-    ArchiveSpec,
-    build_archive,
-    collect_files,
     iter_archive_files,
     open_archive,
     verify_archive,
 )
+from scriptserve.archiver.create import BUILTIN_HANDLERS, create_archive
 from scriptserve.archiver.extract import UnsafeArchiveError
-from scriptserve.archiver.manifest import (
-    Manifest,
-    ManifestError,
-    ModelInfo,
-    Quantization,
-    ScriptserveInfo,
-    check_model_name,
-    format_for_file,
-)
-from scriptserve.archiver.model_file import ModelFileError, probe_model
-from scriptserve.archiver.quantize import (
-    MODES,
-    QuantizationError,
-    QuantizeOptions,
-    Tolerance,
-    ValidationSamples,
-    is_torchscript_file,
-    quantize_model_file,
-)
-from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
-
-# Built-in handler names: ours, and TorchServe's (served by the TorchServe compatibility layer).
-BUILTIN_HANDLERS = (
-    "tensor",
-    "base_handler",
-    "image_classifier",
-    "text_classifier",
-    "object_detector",
-    "image_segmenter",
-)
+from scriptserve.archiver.manifest import Manifest, ManifestError
+from scriptserve.archiver.model_file import ModelFileError
+from scriptserve.archiver.pt2_export import DEFAULT_MAX_BATCH
+from scriptserve.archiver.pt2_package import Pt2PackageError, compatibility_problem
+from scriptserve.archiver.quantize import MODES, QuantizationError, Tolerance
+from scriptserve.archiver.signature import SignatureError
 
 USER_ERRORS = (
     ArchiveError,
@@ -67,8 +36,13 @@ USER_ERRORS = (
     SignatureError,
     UnsafeArchiveError,
     QuantizationError,
+    Pt2PackageError,
     OSError,
 )
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -110,7 +84,8 @@ def add_create_arguments(parser: argparse.ArgumentParser) -> None:
         "--serialized-file",
         required=True,
         type=Path,
-        help="TorchScript (.pt) or ONNX (.onnx) model file",
+        help="AOTInductor package (.pt2), TorchScript (.pt) or ONNX (.onnx) model file; with "
+        "--export-pt2, the state dict of the --model-file model",
     )
     parser.add_argument(
         "--handler",
@@ -118,7 +93,13 @@ def add_create_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"built-in handler ({', '.join(BUILTIN_HANDLERS)}) or a handler .py file",
     )
     parser.add_argument(
-        "--model-file", type=Path, help="Python file with the model class (kept for reference)"
+        "--model-file",
+        type=Path,
+        help="Python file with the model class (exported with --export-pt2, else kept for "
+        "reference)",
+    )
+    parser.add_argument(
+        "--model-class", help="nn.Module class in --model-file, when it defines several"
     )
     parser.add_argument(
         "--extra-files", default="", help="comma-separated files, directories or wildcards"
@@ -145,9 +126,35 @@ def add_create_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-instance input shape without the batch dim, e.g. 512 or x=3,32,32 (repeatable)",
     )
     parser.add_argument(
-        "--input-dtype", default="FP32", help="OIP datatype of TorchScript inputs (default FP32)"
+        "--input-dtype",
+        default="FP32",
+        help="OIP datatype of TorchScript and .pt2 inputs (default FP32)",
     )
+    add_pt2_arguments(parser)
     add_quantize_arguments(parser)
+
+
+def add_pt2_arguments(parser: argparse.ArgumentParser) -> None:
+    """Making a .pt2 package with torch.export and AOTInductor (archiver/pt2_export.py)."""
+    group = parser.add_argument_group("pt2 (torch.export + AOTInductor)")
+    group.add_argument(
+        "--export-pt2",
+        action="store_true",
+        help="export the --model-file model, with its state dict as --serialized-file, and "
+        "compile it into a .pt2 package (an ExportedProgram .pt2 is compiled without this flag)",
+    )
+    group.add_argument(
+        "--max-batch",
+        type=int,
+        help="largest batch (rows) the exported package takes (default: the config file's "
+        f"batchSize, else {DEFAULT_MAX_BATCH}); for a user's package, at most its own bound",
+    )
+    group.add_argument(
+        "--pt2-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="device to compile the package for (cuda needs a GPU on this machine)",
+    )
 
 
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,7 +179,7 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--reduce-range", action="store_true", help="ONNX: 7-bit weights, for CPUs without VNNI"
     )
-    group.add_argument("--model-class", help="nn.Module class in --model-file (eager source)")
+
     defaults = Tolerance()
     group.add_argument(
         "--min-top1-agreement",
@@ -195,183 +202,38 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _extra_files(spec: str) -> list[Path]:
-    paths: list[Path] = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
-        if not matches:
-            raise ArchiveError(f"--extra-files: nothing matches {item!r}")
-        paths.extend(Path(m) for m in matches)
-    return paths
-
-
-def _shape_sample(shapes: list[str], datatype: str) -> dict[str, np.ndarray]:
-    sample = {}
-    rng = np.random.default_rng(0)
-    for i, item in enumerate(shapes):
-        name, _, dims = item.rpartition("=")
-        try:
-            shape = tuple(int(d) for d in dims.split(",") if d.strip())
-        except ValueError:
-            raise SignatureError(f"--input-shape {item!r}: use comma-separated integers") from None
-        array = rng.standard_normal((1, *shape)).astype(numpy_dtype(datatype))
-        sample[name or f"input{i}"] = array
-    return sample
-
-
-def _load_sample(args: argparse.Namespace, fmt: Any) -> dict[str, np.ndarray] | None:
-    if args.sample_input is not None:
-        try:
-            data = json.loads(args.sample_input.read_text())
-        except json.JSONDecodeError as exc:
-            raise SignatureError(f"--sample-input is not valid JSON: {exc}") from None
-        # ONNX records its own input types; TorchScript inputs take --input-dtype.
-        known = probe_model(args.serialized_file, fmt) if fmt == "onnx" else Signature()
-        return arrays_from_json(data, known, default_datatype=args.input_dtype)
-    if args.input_shape:
-        return _shape_sample(args.input_shape, args.input_dtype)
-    return None
-
-
-def _quantize(
-    args: argparse.Namespace,
-    fmt: Any,
-    sample: dict[str, np.ndarray] | None,
-    validation: ValidationSamples | None,
-    workdir: Path,
-) -> tuple[Path, Quantization]:
-    """Convert --serialized-file to dynamic int8 in `workdir`; print what it measured."""
-    src: Path = args.serialized_file
-    if sample is None:
-        raise QuantizationError(
-            "--quantize needs --sample-input, --input-shape or --validation-file to measure the "
-            "int8 model against fp32"
-        )
-    eager = fmt == "torchscript" and args.model_file is not None and not is_torchscript_file(src)
-    options = QuantizeOptions(
-        weight_type=args.weight_type,
-        per_channel=args.per_channel,
-        reduce_range=args.reduce_range,
-        model_file=args.model_file if eager else None,
-        model_class=args.model_class,
-    )
-    tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
-    dst = workdir / f"{src.stem}.int8{'.onnx' if fmt == 'onnx' else '.pt'}"
-    report = quantize_model_file(src, dst, fmt, sample, options, validation, tolerance)
-    print(report.summary(), file=sys.stderr)
-    return dst, report.manifest_entry("archive")
-
-
-def create_archive(args: argparse.Namespace) -> Path:
-    """Check the model loads (and runs its sample), record its signature, write the archive."""
-    with tempfile.TemporaryDirectory(prefix="scriptserve-archive-") as workdir:
-        return _create_archive(args, Path(workdir))
-
-
-def _create_archive(args: argparse.Namespace, workdir: Path) -> Path:
-    name = check_model_name(args.model_name)
-    if not args.serialized_file.is_file():
-        raise ArchiveError(f"--serialized-file not found: {args.serialized_file}")
-    fmt = format_for_file(args.serialized_file.name)
-    quantize = getattr(args, "quantize", "none") != "none"
-    validation_file: Path | None = getattr(args, "validation_file", None)
-    validation = ValidationSamples.load(validation_file) if validation_file else None
-    eager_source = (
-        quantize
-        and fmt == "torchscript"
-        and args.model_file is not None
-        and not is_torchscript_file(args.serialized_file)
-    )
-    sample = None if eager_source else _load_sample(args, fmt)
-    if sample is None and validation is not None:
-        sample = {k: v[:1] for k, v in validation.inputs.items()}
-    model = args.serialized_file
-    quantization = Quantization()
-    if quantize:
-        if eager_source and (args.sample_input is not None or args.input_shape):
-            sample = _load_sample(args, fmt)
-        elif not eager_source:
-            probe_model(model, fmt, sample)  # the fp32 model must load and run first
-        model, quantization = _quantize(args, fmt, sample, validation, workdir)
-    signature = probe_model(model, fmt, sample)
-
-    files: dict[str, Path] = {model.name: model}
-    if validation_file is not None:
-        files[validation_file.name] = validation_file
-    handler = args.handler
-    if handler not in BUILTIN_HANDLERS:
-        handler_path = Path(handler.partition(":")[0])
-        if handler_path.suffix != ".py":
-            handler_path = handler_path.with_suffix(".py")
-        if not handler_path.is_file():
-            raise ArchiveError(
-                f"--handler {handler!r} is neither a built-in ({', '.join(BUILTIN_HANDLERS)}) "
-                "nor an existing .py file"
-            )
-        files[handler_path.name] = handler_path
-        entry = handler.partition(":")[2]
-        handler = handler_path.name + (f":{entry}" if entry else "")
-    optional = {
-        "model": args.model_file,
-        "requirements": args.requirements_file,
-        "config": args.config_file,
-        "sample": args.sample_input,
-    }
-    for what, path in optional.items():
-        if path is not None:
-            if not path.is_file():
-                raise ArchiveError(f"{what} file not found: {path}")
-            files[path.name] = path
-    if args.config_file is not None:
-        try:
-            config = yaml.safe_load(args.config_file.read_text())
-        except yaml.YAMLError as exc:
-            raise ArchiveError(f"--config-file is not valid YAML: {exc}") from None
-        if config is not None and not isinstance(config, dict):
-            raise ArchiveError("--config-file must hold a YAML mapping")
-    for path in _extra_files(args.extra_files):
-        for arcname, src in collect_files([path]).items():
-            if arcname in files and files[arcname].resolve() != src.resolve():
-                raise ArchiveError(f"two files would both be stored as {arcname!r}; rename one")
-            files[arcname] = src
-
-    manifest = Manifest(
-        model=ModelInfo(
-            model_name=name,
-            model_version=args.version,
-            handler=handler,
-            serialized_file=model.name,
-            model_file=args.model_file.name if args.model_file else None,
-            requirements_file=args.requirements_file.name if args.requirements_file else None,
-            config_file=args.config_file.name if args.config_file else None,
-        ),
-        runtime=args.runtime,
-        scriptserve=ScriptserveInfo(
-            model_format=fmt,
-            files={},
-            signature=signature,
-            quantization=quantization,
-            sample_input=args.sample_input.name if args.sample_input else None,
-            validation_samples=validation_file.name if validation_file else None,
-        ),
-    )
-    fmt_enum = ArchiveFormat(args.archive_format)
-    return build_archive(ArchiveSpec(manifest, files), args.export_path, fmt_enum, args.force)
-
-
 def inspect_archive(path: Path, as_json: bool) -> str:
     with open_archive(path, verify=False) as reader:
         files = list(iter_archive_files(reader))
-        manifest = reader.manifest.to_dict()
+        parsed = reader.manifest
+        manifest = parsed.to_dict()
         fmt = reader.format.value
     if as_json:
         listing = [{"name": n, "size": s, "sha256": h} for n, s, h in files]
         document = {"archive": str(path), "format": fmt, "manifest": manifest, "files": listing}
         return json.dumps(document, indent=2)
-    lines = [f"archive: {path} ({fmt})", "manifest:", json.dumps(manifest, indent=2), "files:"]
+    lines = [f"archive: {path} ({fmt})", *_pt2_summary(parsed)]
+    lines += ["manifest:", json.dumps(manifest, indent=2), "files:"]
     width = max(len(name) for name, _, _ in files)
     lines += [f"  {name:<{width}}  {size:>12}  {digest}" for name, size, digest in files]
     return "\n".join(lines)
+
+
+def _pt2_summary(manifest: Manifest) -> list[str]:
+    """What a .pt2 archive was compiled for, and whether this machine can serve it (on CPU, or
+    on the GPU the package was compiled for)."""
+    info = manifest.scriptserve.pt2 if manifest.scriptserve else None
+    if info is None:
+        return []
+    target = info.target
+    where = target.isa or target.cuda_arch or ""
+    device = "cuda:0" if target.device == "cuda" else "cpu"
+    problem = compatibility_problem(info, device)
+    return [
+        f"pt2: torch {info.torch_version}, {target.device} {where}, batch 1 to "
+        f"{info.max_batch or 'any'} ({info.source})",
+        f"this machine: {'can serve it' if problem is None else 'cannot serve it: ' + problem}",
+    ]
 
 
 def verify(path: Path) -> tuple[bool, str]:
@@ -383,7 +245,7 @@ def run_archive_command(args: argparse.Namespace, prog: str) -> int:
     """Dispatch `scriptserve archive …` after parsing."""
     try:
         if args.archive_command == "create":
-            print(create_archive(args))
+            print(create_archive(args, _to_stderr))
         elif args.archive_command == "inspect":
             print(inspect_archive(args.archive, args.json))
         else:
@@ -410,13 +272,14 @@ def model_archiver_main(argv: Sequence[str] | None = None) -> int:
     """`model-archiver`: TorchServe's torch-model-archiver command line."""
     parser = argparse.ArgumentParser(
         prog="model-archiver",
-        description="Pack a TorchScript or ONNX model, its handler and files into one archive.",
+        description="Pack a .pt2 (AOTInductor), TorchScript or ONNX model, its handler and "
+        "files into one archive.",
     )
     add_create_arguments(parser)
     parser.add_argument("--archiver-version", action="version", version=__version__)
     args = parser.parse_args(argv)
     try:
-        print(create_archive(args))
+        print(create_archive(args, _to_stderr))
     except USER_ERRORS as exc:
         fail("model-archiver", str(exc))
     return 0

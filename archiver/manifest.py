@@ -27,9 +27,10 @@ MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")
 CREATED_ON_FORMAT = "%d/%m/%Y %H:%M:%S"
 FORMAT_VERSION = 1
 
-ModelFormat = Literal["torchscript", "onnx"]
-MODEL_FORMATS: tuple[ModelFormat, ...] = ("torchscript", "onnx")
+ModelFormat = Literal["pt2", "torchscript", "onnx"]
+MODEL_FORMATS: tuple[ModelFormat, ...] = ("pt2", "torchscript", "onnx")
 _FORMAT_BY_SUFFIX: dict[str, ModelFormat] = {
+    ".pt2": "pt2",
     ".pt": "torchscript",
     ".pth": "torchscript",
     ".torchscript": "torchscript",
@@ -59,7 +60,8 @@ def format_for_file(filename: str) -> ModelFormat:
             return fmt
     raise ManifestError(
         f"cannot tell the model format of {filename!r}: "
-        "expected a TorchScript file (.pt, .pth) or an ONNX file (.onnx)"
+        "expected an AOTInductor package (.pt2), a TorchScript file (.pt, .pth) or an ONNX "
+        "file (.onnx)"
     )
 
 
@@ -108,6 +110,102 @@ class Quantization:
                 raise ManifestError(f"manifest scriptserve.quantization.{key} must be a number")
             numbers[cls._KEYS[key]] = float(value) if value is not None else None
         return cls(str(data.get("mode", "none")), rest, str(sha) if sha else None, **numbers)
+
+
+@dataclass(frozen=True)
+class Pt2Target:
+    """The machine a `.pt2` package was compiled for.
+
+    On CPU, `isa` is the vector instruction set Inductor compiled its kernels for
+    ("AVX512 AVX512_VNNI"), `march` the compiler's -march, and `cpu_flags` the CPU features the
+    compiled code may use, as `torch.cpu.get_capabilities()` names them; on CUDA, `cuda_arch` is
+    the GPU architecture ("sm_90").
+    """
+
+    device: str = "cpu"
+    isa: str | None = None
+    march: str | None = None
+    cpu_flags: tuple[str, ...] = ()
+    cuda_arch: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        raw = {
+            "device": self.device,
+            "isa": self.isa,
+            "march": self.march,
+            "cpuFlags": list(self.cpu_flags) if self.device == "cpu" else None,
+            "cudaArch": self.cuda_arch,
+        }
+        return {k: v for k, v in raw.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Pt2Target:
+        if not isinstance(data, dict) or data.get("device") not in ("cpu", "cuda"):
+            raise ManifestError("manifest scriptserve.pt2.target.device must be 'cpu' or 'cuda'")
+        flags = data.get("cpuFlags", [])
+        if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+            raise ManifestError("manifest scriptserve.pt2.target.cpuFlags must be a list of names")
+        return cls(
+            device=data["device"],
+            isa=_optional_str(data.get("isa")),
+            march=_optional_str(data.get("march")),
+            cpu_flags=tuple(flags),
+            cuda_arch=_optional_str(data.get("cudaArch")),
+        )
+
+
+@dataclass(frozen=True)
+class Pt2Info:
+    """How a `.pt2` package (torch.export + AOTInductor) was built, and what serving it needs:
+    the same torch release, the target device and instruction set, a batch of at most
+    `max_batch` rows (None: no bound was exported).
+
+    `source` says where the package came from: "package" (made by the user), "eager" (a model
+    class and its state dict) or "exported-program" (saved with torch.export.save).
+    """
+
+    torch_version: str
+    target: Pt2Target
+    max_batch: int | None = None
+    compile_options: dict[str, Any] = field(default_factory=dict)
+    source: str = "package"
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "torchVersion": self.torch_version,
+            "target": self.target.to_dict(),
+            "maxBatch": self.max_batch,
+            "compileOptions": dict(self.compile_options),
+            "source": self.source,
+        }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Pt2Info:
+        if not isinstance(data, dict):
+            raise ManifestError("manifest scriptserve.pt2 must be an object")
+        version = data.get("torchVersion")
+        if not isinstance(version, str) or not version:
+            raise ManifestError("manifest scriptserve.pt2.torchVersion is missing")
+        max_batch = data.get("maxBatch")
+        if max_batch is not None and (
+            not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1
+        ):
+            raise ManifestError("manifest scriptserve.pt2.maxBatch must be a positive integer")
+        options = data.get("compileOptions") or {}
+        if not isinstance(options, dict):
+            raise ManifestError("manifest scriptserve.pt2.compileOptions must be an object")
+        return cls(
+            torch_version=version,
+            target=Pt2Target.from_dict(data.get("target")),
+            max_batch=max_batch,
+            compile_options=dict(options),
+            source=str(data.get("source", "package")),
+        )
+
+
+def _optional_str(value: Any) -> str | None:
+    return str(value) if value not in (None, "") else None
 
 
 @dataclass(frozen=True)
@@ -167,6 +265,8 @@ class ScriptserveInfo:
     validation_samples: str | None = None
     # Measured figures, e.g. {"testAccuracy": 0.98, "testSamples": 270} (made by training/).
     metrics: dict[str, Any] = field(default_factory=dict)
+    pt2: Pt2Info | None = None
+    """How a `pt2` model was built and what serving it needs; None for other formats."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -182,6 +282,8 @@ class ScriptserveInfo:
             data["validationSamples"] = self.validation_samples
         if self.metrics:
             data["metrics"] = dict(self.metrics)
+        if self.pt2 is not None:
+            data["pt2"] = self.pt2.to_dict()
         return data
 
     @classmethod
@@ -206,6 +308,7 @@ class ScriptserveInfo:
             sample_input=data.get("sampleInput") or None,
             validation_samples=data.get("validationSamples") or None,
             metrics=dict(data["metrics"]) if isinstance(data.get("metrics"), dict) else {},
+            pt2=Pt2Info.from_dict(data["pt2"]) if data.get("pt2") is not None else None,
         )
 
 

@@ -1,8 +1,9 @@
 """What the archiver checks about a model file before packing it: it loads, and its signature.
 
 TorchScript files are loaded with `torch.jit.load` on the CPU; ONNX files pass `onnx.checker`, may
-not reference external data outside their folder, and must open in an onnxruntime session. A
-sample input, when given, must run. The signature comes from the ONNX graph, and for TorchScript
+not reference external data outside their folder, and must open in an onnxruntime session;
+`.pt2` packages run through the AOTInductor runtime (archiver/pt2_export.py). A sample input,
+when given, must run. The signature comes from the ONNX graph, and for TorchScript and `.pt2`
 (whose files do not record shapes) from the sample input; the batch dimension is recorded as -1.
 
 The `torch.jit` calls here and in `handlers/backends` are the only ones outside quantization, so
@@ -48,6 +49,10 @@ def probe_model(
     path: Path, fmt: ModelFormat, sample: Mapping[str, np.ndarray] | None = None
 ) -> Signature:
     """Load `path` with its backend, run `sample` if given, and return the model's signature."""
+    if fmt == "pt2":
+        from scriptserve.archiver.pt2_export import check_package
+
+        return check_package(path, sample, None).signature
     if fmt == "onnx":
         return _probe_onnx(path, sample)
     return _probe_torchscript(path, sample)
@@ -124,6 +129,12 @@ def name_torchscript_outputs(result: Any) -> dict[str, Any]:
         f"the TorchScript model returned {type(result).__name__}; "
         "return a tensor, a tuple of tensors or a dict of tensors"
     )
+
+
+def error_line(exc: BaseException) -> str:
+    """The first line of an exception's message: torch's errors run on with hints and traces."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def interpreter_message(exc: BaseException) -> str:

@@ -1,9 +1,11 @@
-"""Throughput of 1 vs 2 worker threads through the `tensor` handler: eager vs TorchScript vs ONNX.
+"""Throughput of 1 vs 2 worker threads through the `tensor` handler: eager vs TorchScript vs ONNX
+vs a `.pt2` package (torch.export + AOTInductor, called through its C ABI).
 
 Each worker thread calls `TensorHandler.handle` on a batch of one request of `--rows` rows, on
 one shared handler (as the worker pool shares a thread-safe handler), with one intra-op thread
-per worker. TorchScript and ONNX Runtime release the GIL while the model runs, so two threads
-should come close to twice the throughput of one; eager PyTorch holds the GIL between ops.
+per worker. TorchScript, ONNX Runtime and the `.pt2` backend release the GIL while the model
+runs, so two threads should come close to twice the throughput of one; eager PyTorch holds the
+GIL between ops. The `.pt2` archive is compiled first (10 to 25 s).
 
     python benchmarks/handler_threads.py            # 3 s per measurement, median of 3
     python benchmarks/handler_threads.py --quick    # a smoke run in a few seconds
@@ -71,7 +73,8 @@ class EagerBackend:
 
 
 def export_models(workdir: Path) -> dict[str, Path]:
-    """TorchScript and ONNX files of BenchMLP, packed as archives with the `tensor` handler."""
+    """TorchScript and ONNX files of BenchMLP, and a .pt2 package compiled from its state
+    dict, packed as archives with the `tensor` handler."""
     module = BenchMLP().eval()
     sample = workdir / "sample.json"
     sample.write_text("[" + ", ".join(["0.1"] * IN_FEATURES) + "]")
@@ -97,6 +100,16 @@ def export_models(workdir: Path) -> dict[str, Path]:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints the archive's path
             assert model_archiver_main(argv) == 0
         archives[name] = workdir / "store" / f"{name}.mar"
+    torch.save(module.state_dict(), workdir / "mlp_state.pt")
+    argv = [
+        "--model-name", "mlp_pt2", "--version", "1.0", "--export-pt2",
+        "--model-file", __file__, "--model-class", "BenchMLP",
+        "--serialized-file", str(workdir / "mlp_state.pt"), "--sample-input", str(sample),
+        "--export-path", str(workdir / "store"), "-f",
+    ]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert model_archiver_main(argv) == 0
+    archives["mlp_pt2"] = workdir / "store" / "mlp_pt2.mar"
     return archives
 
 
@@ -112,6 +125,7 @@ def loaded(archive: Path) -> Iterator[tuple[BaseHandler, Context]]:
             model_config=read_model_config(reader.root, manifest),
             device="cpu",
             intra_op_threads=1,
+            workers=2,  # as many as the measurements' threads, like a pool of two workers
         )
         yield load_handler(context), context
 
@@ -218,6 +232,7 @@ def main() -> None:
             ("eager", archives["mlp_torchscript"]),
             ("torchscript", archives["mlp_torchscript"]),
             ("onnx", archives["mlp_onnx"]),
+            ("pt2", archives["mlp_pt2"]),
         ):
             with loaded(archive) as (handler, context):
                 if name == "eager":

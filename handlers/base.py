@@ -111,6 +111,9 @@ class Context:
     intra_op_threads: int = 1
     model_file: Path | None = None
     """The model file to load instead of the archive's own: its int8 conversion made at load."""
+    workers: int = 1
+    """How many worker threads may call the handler at once: a backend keeps that many model
+    instances (a `.pt2` container's `num_models`), sharing one copy of the weights."""
 
     @property
     def signature(self) -> Signature:
@@ -155,6 +158,8 @@ class BaseHandler:
             device=context.device,
             intra_op_threads=context.intra_op_threads,
             options=context.model_config,
+            manifest=context.manifest,
+            workers=context.workers,
         )
 
     def preprocess(self, requests: list[InferenceRequest]) -> Any:

@@ -3,8 +3,9 @@
 Each request brings named numpy tensors (OIP) or a JSON body (TorchServe-style `/predictions`:
 an array is one instance of the model's single input, an object maps input names to one
 instance each). Requests whose tensors have the same per-row shapes are concatenated along
-dim 0 and run together; outputs are split back by each request's row count. A request that does
-not fit the model's signature fails alone, with a message naming the input and what was expected.
+dim 0 and run together (in parts of at most the model's `max_batch` rows, where it has one);
+outputs are split back by each request's row count. A request that does not fit the model's
+signature fails alone, with a message naming the input and what was expected.
 """
 
 from __future__ import annotations
@@ -118,7 +119,20 @@ class TensorHandler(BaseHandler):
 
     # -- inference ----------------------------------------------------------------------------
     def inference(self, batch: TensorBatch) -> TensorBatch:
+        # A model with a batch bound (a .pt2 package's exported max) gets the group in parts
+        # of at most that many rows; a request that alone has more fails by itself.
+        limit: int | None = getattr(self.model, "max_batch", None)
+        parts: list[list[_Item]] = []
         for group in batch.groups:
+            for item in group:
+                if limit is not None and item.rows > limit:
+                    batch.errors[item.index] = InferenceResponse.failed(
+                        f"the request has {item.rows} rows; the model takes at most {limit} "
+                        "at once",
+                        400,
+                    )
+            parts += _parts([i for i in group if i.index not in batch.errors], limit)
+        for group in parts:
             names = group[0].arrays.keys()
             if len(group) == 1:
                 feed = group[0].arrays
@@ -160,3 +174,18 @@ class TensorHandler(BaseHandler):
                 body = next(iter(rows.values())) if len(rows) == 1 else rows
             results.append(InferenceResponse(outputs=tensors, body=body))
         return results
+
+
+def _parts(group: list[_Item], limit: int | None) -> list[list[_Item]]:
+    """The group's requests in order, as consecutive parts of at most `limit` rows each."""
+    if limit is None:
+        return [group] if group else []
+    parts: list[list[_Item]] = []
+    rows = 0
+    for item in group:
+        if not parts or rows + item.rows > limit:
+            parts.append([])
+            rows = 0
+        parts[-1].append(item)
+        rows += item.rows
+    return parts

@@ -112,6 +112,7 @@ class ModelLoader:
                 batch_size=settings.batch_size,
                 intra_op_threads=self.settings.intra_op_threads,
                 model_file=model_file,
+                workers=settings.workers,
             )
             batcher = DynamicBatcher(
                 settings.batch_size, settings.max_batch_delay_ms / 1000.0, settings.queue_size

@@ -1,6 +1,7 @@
-"""Model backends: load a TorchScript or ONNX file onto a device and run named-tensor batches.
+"""Model backends: load a `.pt2` package (AOTInductor), a TorchScript or an ONNX file onto a
+device and run named-tensor batches.
 
-Both runtimes release the GIL while the model runs, so N worker threads use N cores. Thread
+All three release the GIL while the model runs, so N worker threads use N cores. Thread
 counts are set explicitly (intra-op threads per call, one inter-op thread) so that
 workers x intra-op threads stays within the cores the server was given.
 
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from scriptserve.archiver.manifest import ModelFormat
+from scriptserve.archiver.manifest import Manifest, ModelFormat
 
 
 class BackendError(RuntimeError):
@@ -50,9 +51,20 @@ def load_backend(
     device: str = "cpu",
     intra_op_threads: int = 1,
     options: Mapping[str, Any] | None = None,
+    *,
+    manifest: Manifest | None = None,
+    workers: int = 1,
 ) -> ModelBackend:
-    """Load a model file with the backend for its format."""
+    """Load a model file with the backend for its format.
+
+    A `.pt2` model needs the archive's `manifest` (what it was compiled for, its signature and
+    batch bound), and sizes its per-caller state for `workers` threads calling it at once.
+    """
     parse_device(device)
+    if fmt == "pt2":
+        from scriptserve.handlers.backends.pt2 import Pt2Backend
+
+        return Pt2Backend(path, device, intra_op_threads, manifest, workers)
     if fmt == "onnx":
         from scriptserve.handlers.backends.onnx import OnnxBackend
 

@@ -1,0 +1,294 @@
+"""Writing an archive from model-archiver's arguments: check the model loads and runs its
+sample, record its signature, pack it with its handler and files.
+
+The model is one of:
+- an AOTInductor package (`.pt2`), packed as it is once it ran the sample here;
+- an eager model compiled into one (`--export-pt2`: `--model-file` with its state dict as
+  `--serialized-file`), or an ExportedProgram saved with torch.export.save (a `.pt2` without
+  compiled code), compiled without the flag (archiver/pt2_export.py);
+- a TorchScript or ONNX file, converted to dynamic int8 first with `--quantize`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from scriptserve.archiver.archive import (
+    ArchiveError,
+    ArchiveFormat,
+    ArchiveSpec,
+    build_archive,
+    collect_files,
+)
+from scriptserve.archiver.manifest import (
+    Manifest,
+    ModelFormat,
+    ModelInfo,
+    Pt2Info,
+    Quantization,
+    ScriptserveInfo,
+    check_model_name,
+    format_for_file,
+)
+from scriptserve.archiver.model_file import probe_model
+from scriptserve.archiver.pt2_export import (
+    Pt2Source,
+    build_package,
+    check_package,
+    is_pt2_source,
+    max_batch_from,
+)
+from scriptserve.archiver.quantize import (
+    QuantizationError,
+    QuantizeOptions,
+    Tolerance,
+    ValidationSamples,
+    converter_for,
+    is_torchscript_file,
+    quantize_model_file,
+)
+from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
+
+Report = Callable[[str], None]
+"""Where a measurement line goes (model-archiver prints it to stderr)."""
+
+# Built-in handler names: ours, and TorchServe's (served by the TorchServe compatibility layer).
+BUILTIN_HANDLERS = (
+    "tensor",
+    "base_handler",
+    "image_classifier",
+    "text_classifier",
+    "object_detector",
+    "image_segmenter",
+)
+
+
+def _extra_files(spec: str) -> list[Path]:
+    paths: list[Path] = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not matches:
+            raise ArchiveError(f"--extra-files: nothing matches {item!r}")
+        paths.extend(Path(m) for m in matches)
+    return paths
+
+
+def _shape_sample(shapes: list[str], datatype: str) -> dict[str, np.ndarray]:
+    sample = {}
+    rng = np.random.default_rng(0)
+    for i, item in enumerate(shapes):
+        name, _, dims = item.rpartition("=")
+        try:
+            shape = tuple(int(d) for d in dims.split(",") if d.strip())
+        except ValueError:
+            raise SignatureError(f"--input-shape {item!r}: use comma-separated integers") from None
+        array = rng.standard_normal((1, *shape)).astype(numpy_dtype(datatype))
+        sample[name or f"input{i}"] = array
+    return sample
+
+
+def _load_sample(args: argparse.Namespace, fmt: ModelFormat) -> dict[str, np.ndarray] | None:
+    if args.sample_input is not None:
+        try:
+            data = json.loads(args.sample_input.read_text())
+        except json.JSONDecodeError as exc:
+            raise SignatureError(f"--sample-input is not valid JSON: {exc}") from None
+        # ONNX records its own input types; TorchScript and pt2 inputs take --input-dtype.
+        known = probe_model(args.serialized_file, fmt) if fmt == "onnx" else Signature()
+        return arrays_from_json(data, known, default_datatype=args.input_dtype)
+    if args.input_shape:
+        return _shape_sample(args.input_shape, args.input_dtype)
+    return None
+
+
+def _read_config(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise ArchiveError(f"config file not found: {path}")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ArchiveError(f"--config-file is not valid YAML: {exc}") from None
+    if config is not None and not isinstance(config, dict):
+        raise ArchiveError("--config-file must hold a YAML mapping")
+    return config or {}
+
+
+def _quantize(
+    args: argparse.Namespace,
+    fmt: ModelFormat,
+    sample: dict[str, np.ndarray] | None,
+    validation: ValidationSamples | None,
+    workdir: Path,
+    report: Report,
+) -> tuple[Path, Quantization]:
+    """Convert --serialized-file to dynamic int8 in `workdir`; print what it measured."""
+    src: Path = args.serialized_file
+    if sample is None:
+        raise QuantizationError(
+            "--quantize needs --sample-input, --input-shape or --validation-file to measure the "
+            "int8 model against fp32"
+        )
+    eager = fmt == "torchscript" and args.model_file is not None and not is_torchscript_file(src)
+    options = QuantizeOptions(
+        weight_type=args.weight_type,
+        per_channel=args.per_channel,
+        reduce_range=args.reduce_range,
+        model_file=args.model_file if eager else None,
+        model_class=args.model_class,
+    )
+    tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
+    dst = workdir / f"{src.stem}.int8{'.onnx' if fmt == 'onnx' else '.pt'}"
+    measured = quantize_model_file(src, dst, fmt, sample, options, validation, tolerance)
+    report(measured.summary())
+    return dst, measured.manifest_entry("archive")
+
+
+def _pt2_model(
+    args: argparse.Namespace,
+    sample: dict[str, np.ndarray] | None,
+    config: dict[str, Any],
+    workdir: Path,
+    report: Report,
+) -> tuple[Path, Signature, Pt2Info]:
+    """The package to pack: the user's, checked, or one compiled here from the model."""
+    src: Path = args.serialized_file
+    flag: int | None = getattr(args, "max_batch", None)
+    exported_program = is_pt2_source(src)
+    if not (getattr(args, "export_pt2", False) or exported_program):
+        build = check_package(src, sample, flag)
+        return build.package, build.signature, build.info
+    if not exported_program and args.model_file is None:
+        raise ArchiveError(
+            "--export-pt2 needs the model's class: --model-file (and --model-class when the "
+            "file defines several) with its state dict as --serialized-file"
+        )
+    if sample is None:
+        raise ArchiveError("compiling a .pt2 package needs --sample-input or --input-shape")
+    source = Pt2Source(
+        weights=src,
+        model_file=None if exported_program else args.model_file,
+        model_class=args.model_class,
+    )
+    dst = workdir / f"{args.model_name}.pt2"
+    device = getattr(args, "pt2_device", "cpu")
+    # An ExportedProgram keeps its own dynamic shapes: only the flag may lower its bound.
+    max_batch = flag if exported_program else max_batch_from(flag, config)
+    build = build_package(source, sample, max_batch, dst, device)
+    report(build.report)
+    return build.package, build.signature, build.info
+
+
+def create_archive(args: argparse.Namespace, report: Report) -> Path:
+    """Check the model loads (and runs its sample), record its signature, write the archive;
+    what a conversion or compilation measured goes to `report`."""
+    with tempfile.TemporaryDirectory(prefix="scriptserve-archive-") as workdir:
+        return _create_archive(args, Path(workdir), report)
+
+
+def _model_format(args: argparse.Namespace) -> ModelFormat:
+    if getattr(args, "export_pt2", False) or is_pt2_source(args.serialized_file):
+        return "pt2"
+    return format_for_file(args.serialized_file.name)
+
+
+def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> Path:
+    name = check_model_name(args.model_name)
+    if not args.serialized_file.is_file():
+        raise ArchiveError(f"--serialized-file not found: {args.serialized_file}")
+    fmt = _model_format(args)
+    config = _read_config(args.config_file)
+    quantize = getattr(args, "quantize", "none") != "none"
+    if quantize and fmt == "pt2":
+        converter_for(fmt)  # says that int8 is not available for pt2, and where it is
+    validation_file: Path | None = getattr(args, "validation_file", None)
+    validation = ValidationSamples.load(validation_file) if validation_file else None
+    eager_source = (
+        quantize
+        and fmt == "torchscript"
+        and args.model_file is not None
+        and not is_torchscript_file(args.serialized_file)
+    )
+    sample = None if eager_source else _load_sample(args, fmt)
+    if sample is None and validation is not None:
+        sample = {k: v[:1] for k, v in validation.inputs.items()}
+    model = args.serialized_file
+    quantization = Quantization()
+    pt2: Pt2Info | None = None
+    if fmt == "pt2":
+        model, signature, pt2 = _pt2_model(args, sample, config, workdir, report)
+    else:
+        if quantize:
+            if eager_source and (args.sample_input is not None or args.input_shape):
+                sample = _load_sample(args, fmt)
+            elif not eager_source:
+                probe_model(model, fmt, sample)  # the fp32 model must load and run first
+            model, quantization = _quantize(args, fmt, sample, validation, workdir, report)
+        signature = probe_model(model, fmt, sample)
+
+    files: dict[str, Path] = {model.name: model}
+    if validation_file is not None:
+        files[validation_file.name] = validation_file
+    handler = args.handler
+    if handler not in BUILTIN_HANDLERS:
+        handler_path = Path(handler.partition(":")[0])
+        if handler_path.suffix != ".py":
+            handler_path = handler_path.with_suffix(".py")
+        if not handler_path.is_file():
+            raise ArchiveError(
+                f"--handler {handler!r} is neither a built-in ({', '.join(BUILTIN_HANDLERS)}) "
+                "nor an existing .py file"
+            )
+        files[handler_path.name] = handler_path
+        entry = handler.partition(":")[2]
+        handler = handler_path.name + (f":{entry}" if entry else "")
+    optional = {
+        "model": args.model_file,
+        "requirements": args.requirements_file,
+        "config": args.config_file,
+        "sample": args.sample_input,
+    }
+    for what, path in optional.items():
+        if path is not None:
+            if not path.is_file():
+                raise ArchiveError(f"{what} file not found: {path}")
+            files[path.name] = path
+    for path in _extra_files(args.extra_files):
+        for arcname, src in collect_files([path]).items():
+            if arcname in files and files[arcname].resolve() != src.resolve():
+                raise ArchiveError(f"two files would both be stored as {arcname!r}; rename one")
+            files[arcname] = src
+
+    manifest = Manifest(
+        model=ModelInfo(
+            model_name=name,
+            model_version=args.version,
+            handler=handler,
+            serialized_file=model.name,
+            model_file=args.model_file.name if args.model_file else None,
+            requirements_file=args.requirements_file.name if args.requirements_file else None,
+            config_file=args.config_file.name if args.config_file else None,
+        ),
+        runtime=args.runtime,
+        scriptserve=ScriptserveInfo(
+            model_format=fmt,
+            files={},
+            signature=signature,
+            quantization=quantization,
+            sample_input=args.sample_input.name if args.sample_input else None,
+            validation_samples=validation_file.name if validation_file else None,
+            pt2=pt2,
+        ),
+    )
+    fmt_enum = ArchiveFormat(args.archive_format)
+    return build_archive(ArchiveSpec(manifest, files), args.export_path, fmt_enum, args.force)

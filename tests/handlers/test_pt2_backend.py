@@ -1,0 +1,338 @@
+"""The .pt2 backend on real AOTInductor packages: outputs against eager, the batch bound, several
+inputs and outputs, threads running at once, and the packages it refuses at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pt2models import (
+    SLOW_ROWS,
+    TINY_MAX_BATCH,
+    TWO_HEADS_MAX_BATCH,
+    tiny_archive,
+    two_heads_archive,
+    two_heads_reference,
+)
+from testmodels import reference_output
+
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.manifest import Manifest, Pt2Info
+from scriptserve.handlers.backends import BackendError, load_backend
+from scriptserve.handlers.backends.pt2 import Pt2Backend
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    package: Path
+    manifest: Manifest
+
+    def backend(
+        self,
+        device: str = "cpu",
+        workers: int = 1,
+        *,
+        torch_version: str | None = None,
+        target_device: str | None = None,
+        cpu_flags: tuple[str, ...] | None = None,
+    ) -> Pt2Backend:
+        """The backend, on this manifest or one whose recorded build is edited."""
+        manifest = self.manifest
+        assert manifest.scriptserve is not None and manifest.scriptserve.pt2 is not None
+        info = manifest.scriptserve.pt2
+        target = dataclasses.replace(
+            info.target,
+            device=target_device or info.target.device,
+            cpu_flags=info.target.cpu_flags if cpu_flags is None else cpu_flags,
+        )
+        edited = dataclasses.replace(
+            info, torch_version=torch_version or info.torch_version, target=target
+        )
+        manifest = manifest.with_scriptserve(dataclasses.replace(manifest.scriptserve, pt2=edited))
+        backend = load_backend(
+            self.package, "pt2", device=device, manifest=manifest, workers=workers
+        )
+        assert isinstance(backend, Pt2Backend)
+        return backend
+
+    @property
+    def info(self) -> Pt2Info:
+        assert self.manifest.scriptserve is not None and self.manifest.scriptserve.pt2 is not None
+        return self.manifest.scriptserve.pt2
+
+
+def opened(archive: Path) -> Iterator[Opened]:
+    with open_archive(archive) as reader:
+        name = reader.manifest.model.serialized_file
+        assert name is not None
+        yield Opened(reader.root / name, reader.manifest)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[Opened]:
+    yield from opened(tiny_archive())
+
+
+@pytest.fixture(scope="module")
+def two_heads() -> Iterator[Opened]:
+    yield from opened(two_heads_archive())
+
+
+def rows(n: int, width: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
+
+
+# -- running --------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 7, TINY_MAX_BATCH])
+def test_outputs_match_eager_from_one_row_to_the_exported_max(tiny: Opened, batch: int) -> None:
+    backend = tiny.backend()
+    x = rows(batch, seed=batch)
+
+    outputs = backend.run({"x": x})
+
+    assert backend.input_names == ("x",)
+    assert backend.output_names == ("output0",)
+    assert backend.max_batch == TINY_MAX_BATCH
+    assert outputs["output0"].shape == (batch, 3)
+    assert outputs["output0"].dtype == np.float32
+    np.testing.assert_allclose(outputs["output0"], reference_output(x), atol=1e-4, rtol=0)
+
+
+def test_a_batch_over_the_exported_max_is_refused_before_the_model_runs(tiny: Opened) -> None:
+    backend = tiny.backend()
+
+    with pytest.raises(BackendError) as info:
+        backend.run({"x": rows(TINY_MAX_BATCH + 1)})
+
+    assert str(info.value) == (
+        f"a batch of {TINY_MAX_BATCH + 1} rows is more than the {TINY_MAX_BATCH} the .pt2 model "
+        f"was exported for; send at most {TINY_MAX_BATCH} rows at once, or rebuild the archive "
+        "with a larger --max-batch"
+    )
+
+
+@pytest.mark.parametrize(
+    ("x", "message"),
+    [
+        (
+            np.ones((2, 5), np.float32),
+            "input 'x' has shape [2, 5]; the model takes [-1, 8] (-1 = any size)",
+        ),
+        (np.ones((2, 8), np.float64), "input 'x' has datatype FP64; the model takes FP32"),
+        (
+            np.ones((2, 2, 4), np.float32),
+            "input 'x' has shape [2, 2, 4]; the model takes [-1, 8] (-1 = any size)",
+        ),
+    ],
+)
+def test_inputs_that_do_not_fit_the_signature_never_reach_the_compiled_code(
+    tiny: Opened, x: np.ndarray, message: str
+) -> None:
+    with pytest.raises(BackendError, match=f"^{re.escape(message)}$"):
+        tiny.backend().run({"x": x})
+
+
+def test_two_inputs_and_two_outputs_in_the_packages_order(two_heads: Opened) -> None:
+    backend = two_heads.backend()
+    a, b = rows(5, 256, seed=1), rows(5, 4, seed=2)
+
+    outputs = backend.run({"b": b, "a": a})
+
+    assert backend.input_names == ("a", "b")
+    assert list(outputs) == ["output0", "output1"]
+    y, z = two_heads_reference(a, b)
+    np.testing.assert_allclose(outputs["output0"], y, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(outputs["output1"], z, atol=1e-4, rtol=0)
+    with pytest.raises(BackendError, match=r"^missing model input\(s\): b$"):
+        backend.run({"a": a})
+    with pytest.raises(BackendError, match="same number of rows"):
+        backend.run({"a": a, "b": b[:3]})
+
+
+@dataclasses.dataclass
+class Calls:
+    """What `calls_at_once` saw: each thread's (start, end) per call, and how often, of the
+    moments every thread was inside a call, every thread was runnable (state R)."""
+
+    spans: list[list[tuple[float, float]]]
+    all_runnable: int = 0
+    all_inside: int = 0
+
+
+def thread_state(tid: int) -> str:
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def calls_at_once(backend: Pt2Backend, threads: int, calls: int) -> Calls:
+    """`threads` threads calling the slow model `calls` times each, started together. While
+    they run, this thread looks at their scheduler states: a thread blocked on the GIL or
+    waiting for a free model instance sleeps (S); threads running model code are R, even when
+    another process holds a core."""
+    a, b = rows(SLOW_ROWS, 256), rows(SLOW_ROWS, 4)
+    seen = Calls([[] for _ in range(threads)])
+    tids = [0] * threads
+    inside = [False] * threads
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 1)
+
+    def work(slot: int) -> None:
+        tids[slot] = threading.get_native_id()
+        try:
+            start.wait()
+            for _ in range(calls):
+                began = time.perf_counter()
+                inside[slot] = True
+                backend.run({"a": a, "b": b})
+                inside[slot] = False
+                seen.spans[slot].append((began, time.perf_counter()))
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+        finally:
+            inside[slot] = False
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    start.wait()
+    while any(t.is_alive() for t in pool):
+        if all(inside):
+            states = [thread_state(tid) for tid in tids]
+            if all(inside):
+                seen.all_inside += 1
+                seen.all_runnable += all(state == "R" for state in states)
+        time.sleep(0.001)
+    for t in pool:
+        t.join()
+    assert errors == []
+    return seen
+
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir(), reason="reads thread states from /proc"
+)
+
+
+@needs_proc
+def test_two_threads_run_the_model_at_the_same_time(two_heads: Opened) -> None:
+    backend = two_heads.backend(workers=2)
+    assert backend.models == 2
+
+    seen = calls_at_once(backend, threads=2, calls=3)
+
+    # The threads' calls overlap in time for most of their length...
+    (a_start, a_end), (b_start, b_end) = [(s[0][0], s[-1][1]) for s in seen.spans]
+    overlap = min(a_end, b_end) - max(a_start, b_start)
+    assert overlap > 0.5 * min(a_end - a_start, b_end - b_start), seen.spans
+    # ...and both threads were in model code together, not taking turns: a thread waiting for
+    # the GIL or for a free model instance sleeps.
+    assert seen.all_inside >= 20, seen
+    assert seen.all_runnable >= 0.8 * seen.all_inside, seen
+
+
+@needs_proc
+def test_the_container_grows_when_more_threads_call_than_it_has_models(
+    two_heads: Opened,
+) -> None:
+    backend = two_heads.backend(workers=1)
+    assert backend.models == 1
+
+    calls_at_once(backend, threads=2, calls=1)
+    seen = calls_at_once(backend, threads=2, calls=2)
+
+    assert backend.models == 2
+    assert seen.all_runnable >= 0.8 * seen.all_inside, seen
+    a, b = rows(3, 256, seed=5), rows(3, 4, seed=6)
+    np.testing.assert_allclose(
+        backend.run({"a": a, "b": b})["output0"], two_heads_reference(a, b)[0], atol=1e-4
+    )
+
+
+def test_the_maximum_batch_runs_on_the_two_input_model(two_heads: Opened) -> None:
+    a, b = rows(TWO_HEADS_MAX_BATCH, 256, seed=7), rows(TWO_HEADS_MAX_BATCH, 4, seed=8)
+
+    outputs = two_heads.backend().run({"a": a, "b": b})
+
+    np.testing.assert_allclose(outputs["output1"], two_heads_reference(a, b)[1], atol=1e-4)
+
+
+# -- refusals at load -----------------------------------------------------------------------
+def test_a_package_from_another_torch_release_is_refused(tiny: Opened) -> None:
+    with pytest.raises(BackendError) as info:
+        tiny.backend(torch_version="2.9.1+cpu")
+
+    message = str(info.value)
+    assert "compiled with torch 2.9.1+cpu" in message
+    assert f"this server runs torch {torch.__version__}" in message
+    assert "rebuild the archive with model-archiver" in message
+
+
+def test_a_package_for_another_device_is_refused(tiny: Opened) -> None:
+    with pytest.raises(BackendError) as info:
+        tiny.backend(device="cpu", target_device="cuda")
+    assert str(info.value).startswith(
+        "the .pt2 package was compiled for cuda and this worker's device is cpu: serve it on a GPU"
+    )
+
+    with pytest.raises(BackendError) as info:
+        tiny.backend(device="cuda:0")
+    assert "compiled for cpu and this worker's device is cuda:0: serve it on CPU" in str(info.value)
+
+
+def a_feature_this_cpu_lacks() -> str:
+    lacking = [k for k, v in torch.cpu.get_capabilities().items() if v is False]
+    if not lacking:
+        pytest.skip("this CPU has every feature torch knows of")
+    return sorted(lacking)[0]
+
+
+def test_a_package_for_instructions_this_cpu_lacks_is_refused(tiny: Opened) -> None:
+    target = tiny.info.target
+    lacking = a_feature_this_cpu_lacks()
+
+    with pytest.raises(BackendError) as info:
+        tiny.backend(cpu_flags=(*target.cpu_flags, lacking))
+
+    assert str(info.value) == (
+        f"the .pt2 package was compiled for {target.isa} -march={target.march} and this CPU "
+        f"lacks {lacking}: rebuild the archive with model-archiver on a machine like this one"
+    )
+
+
+def test_an_archive_without_build_information_is_refused(tiny: Opened) -> None:
+    assert tiny.manifest.scriptserve is not None
+    bare = tiny.manifest.with_scriptserve(dataclasses.replace(tiny.manifest.scriptserve, pt2=None))
+
+    with pytest.raises(BackendError, match=r"records no \.pt2 build information"):
+        load_backend(tiny.package, "pt2", manifest=bare)
+
+
+def test_the_recorded_build_matches_this_machine(tiny: Opened) -> None:
+    info = tiny.info
+    assert info.torch_version == torch.__version__
+    assert info.target.device == "cpu"
+    assert info.source == "eager"
+    capabilities = torch.cpu.get_capabilities()
+    assert info.target.cpu_flags
+    assert all(capabilities.get(f) is True for f in info.target.cpu_flags)
+    assert info.compile_options["freezing"] is True
+    assert info.compile_options["noGrad"] is True
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cpu_package_is_refused_on_cuda_and_runs_on_cpu_beside_it(tiny: Opened) -> None:
+    with pytest.raises(BackendError, match="serve it on CPU"):
+        tiny.backend(device="cuda:0")
+    np.testing.assert_allclose(
+        tiny.backend().run({"x": rows(4)})["output0"], reference_output(rows(4)), atol=1e-4
+    )

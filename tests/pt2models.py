@@ -1,0 +1,129 @@
+"""Real `.pt2` archives for the tests, compiled by model-archiver once per test session.
+
+- `tiny_archive()`: TinyMLP (8 -> 16 -> 3) from its class and state dict (`--export-pt2`),
+  batches of 1 to `TINY_MAX_BATCH` rows;
+- `two_heads_archive()`: `TwoHeads`, two inputs and two outputs, whose call at batch
+  `SLOW_ROWS` takes about 0.1 s on one core (for the tests of threads running at once);
+- `tiny_package()`: the compiled package inside the tiny archive, as a user would bring it.
+
+A compile takes 8 to 25 s. Inductor's cache is build/pt2-test-cache (ignored by git), so a
+second session compiles from a warm cache.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import io
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from testmodels import TinyMLP
+from torch import nn
+
+from scriptserve.archiver.cli import model_archiver_main
+
+TESTS = Path(__file__).resolve().parent
+INDUCTOR_CACHE = TESTS.parent / "build" / "pt2-test-cache"
+TINY_MAX_BATCH = 64
+TWO_HEADS_MAX_BATCH = 256
+SLOW_ROWS = 256
+"""Rows at which a TwoHeads call takes about 0.1 s on one core."""
+
+
+class TwoHeads(nn.Module):
+    """a: [B, 256], b: [B, 4] -> (3 outputs of a path through `depth` 1024-wide tanh layers,
+    2 outputs of b scaled by a's first column). One layer's weights serve every step, so the
+    package stays small while a call at batch SLOW_ROWS does about 9 GFLOP."""
+
+    def __init__(self, depth: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.depth = depth
+        self.widen = nn.Linear(256, 1024)
+        self.layer = nn.Linear(1024, 1024)
+        self.head = nn.Linear(1024, 3)
+        self.side = nn.Linear(4, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.widen(a))
+        for _ in range(self.depth):
+            h = torch.tanh(self.layer(h) / 8)
+        return self.head(h), self.side(b) * a[:, :1]
+
+
+def two_heads_reference(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with torch.inference_mode():
+        y, z = TwoHeads().eval()(torch.from_numpy(a), torch.from_numpy(b))
+    return y.numpy(), z.numpy()
+
+
+@contextlib.contextmanager
+def inductor_cache() -> Iterator[None]:
+    """Compile with the tests' own Inductor cache."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(INDUCTOR_CACHE)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+@functools.cache
+def workdir() -> Path:
+    """A directory for this session's packages and archives, removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="scriptserve-pt2-tests-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def archive_eager(name: str, model_class: str, sample: object, max_batch: int, *extra: str) -> Path:
+    """Export and compile `model_class` (defined in this file or testmodels.py) with its
+    state dict through model-archiver; returns the archive."""
+    root = workdir() / name
+    root.mkdir()
+    model = {"TinyMLP": TinyMLP, "TwoHeads": TwoHeads}[model_class]()
+    torch.save(model.state_dict(), root / "weights.pt")
+    (root / "sample.json").write_text(json.dumps(sample))
+    source = TESTS / ("testmodels.py" if model_class == "TinyMLP" else "pt2models.py")
+    argv = [
+        "--model-name", name, "--version", "1.0", "--export-pt2",
+        "--model-file", str(source), "--model-class", model_class,
+        "--serialized-file", str(root / "weights.pt"), "--sample-input", str(root / "sample.json"),
+        "--max-batch", str(max_batch), "--export-path", str(workdir() / "store"), *extra,
+    ]  # fmt: skip
+    with inductor_cache(), contextlib.redirect_stdout(io.StringIO()):
+        assert model_archiver_main(argv) == 0
+    return workdir() / "store" / f"{name}.mar"
+
+
+@functools.cache
+def tiny_archive() -> Path:
+    return archive_eager("tiny_pt2", "TinyMLP", [0.5] * 8, TINY_MAX_BATCH)
+
+
+@functools.cache
+def two_heads_archive() -> Path:
+    sample = {"a": [0.1] * 256, "b": [0.5, -0.5, 1.0, 2.0]}
+    return archive_eager("two_heads", "TwoHeads", sample, TWO_HEADS_MAX_BATCH)
+
+
+@functools.cache
+def tiny_package() -> Path:
+    """The .pt2 package inside the tiny archive, as a file of its own."""
+    target = workdir() / "user" / "tiny.pt2"
+    target.parent.mkdir()
+    with zipfile.ZipFile(tiny_archive()) as zf:
+        target.write_bytes(zf.read("tiny_pt2.pt2"))
+    return target
