@@ -21,6 +21,8 @@ import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -72,8 +74,63 @@ _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 _new_capsule.restype = ctypes.py_object
 
 
+# libtorch's tensor functions of the AOTInductor shim (aoti_torch/c/shim.h); AOTITorchError is
+# int32_t, 0 on success. They are called without releasing the GIL (see `run_arrays`).
+_i64_p = ctypes.POINTER(ctypes.c_int64)
+_SHIM: dict[str, tuple[list[Any], Any]] = {
+    "aoti_torch_create_tensor_from_blob": (
+        [
+            ctypes.c_void_p,  # data, borrowed
+            ctypes.c_int64,  # ndim
+            _i64_p,  # sizes
+            _i64_p,  # strides, in elements
+            ctypes.c_int64,  # storage offset
+            ctypes.c_int32,  # dtype
+            ctypes.c_int32,  # device type
+            ctypes.c_int32,  # device index
+            _handle_p,  # the new tensor handle
+        ],
+        ctypes.c_int32,
+    ),
+    "aoti_torch_delete_tensor_object": ([ctypes.c_void_p], ctypes.c_int32),
+    "aoti_torch_get_data_ptr": ([ctypes.c_void_p, _handle_p], ctypes.c_int32),
+    "aoti_torch_get_dim": ([ctypes.c_void_p, _i64_p], ctypes.c_int32),
+    "aoti_torch_get_sizes": ([ctypes.c_void_p, ctypes.POINTER(_i64_p)], ctypes.c_int32),
+    "aoti_torch_get_strides": ([ctypes.c_void_p, ctypes.POINTER(_i64_p)], ctypes.c_int32),
+    "aoti_torch_get_dtype": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32),
+    "aoti_torch_device_type_cpu": ([], ctypes.c_int32),
+}
+# numpy dtypes that cross as they are, by the name of the shim's dtype getter.
+_NUMPY_DTYPES = {
+    np.dtype(name if name != "bool" else np.bool_): name
+    for name in (
+        "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64", "bool",
+    )
+}  # fmt: skip
+
+
 class AotiError(RuntimeError):
     """A call into the compiled model failed; the message is the runtime's own."""
+
+
+class _Output:
+    """One output tensor's memory, as numpy arrays see it (`__array_interface__`): the tensor
+    handle is deleted when the last array over it goes. The inputs stay alive with it, as an
+    output may be a view of one."""
+
+    __slots__ = ("__array_interface__", "_delete", "_handle", "_inputs")
+
+    def __init__(
+        self, interface: dict[str, Any], delete: Any, handle: int, inputs: list[np.ndarray]
+    ) -> None:
+        self.__array_interface__ = interface
+        self._delete = delete
+        self._handle = handle
+        self._inputs = inputs
+
+    def __del__(self) -> None:
+        self._delete(self._handle)
 
 
 class AotiLibrary:
@@ -94,6 +151,20 @@ class AotiLibrary:
                 ) from None
             function.argtypes = argtypes
             function.restype = restype
+        # The same library again, as a PyDLL: calls through it keep the GIL. Dropping it for
+        # each small call would hand it to another thread and wait for it back.
+        self._shim = ctypes.PyDLL(str(so), handle=self._lib._handle)
+        for name, (argtypes, restype) in _SHIM.items():
+            function = getattr(self._shim, name)
+            function.argtypes = argtypes
+            function.restype = restype
+        self._cpu = self._shim.aoti_torch_device_type_cpu()
+        self._codes: dict[np.dtype[Any], int] = {}
+        for dtype, name in _NUMPY_DTYPES.items():
+            getter = getattr(self._shim, f"aoti_torch_dtype_{name}")
+            getter.argtypes, getter.restype = [], ctypes.c_int32
+            self._codes[dtype] = getter()
+        self._dtypes = {code: dtype for dtype, code in self._codes.items()}
         self._omp_set_num_threads: Any = None
         # dlsym through the model's own handle finds the OpenMP runtime its kernels call.
         with contextlib.suppress(AttributeError):
@@ -157,6 +228,66 @@ class AotiLibrary:
                 [_new_capsule(p, None, None) for p in results]
             )
         )
+
+    def run_arrays(
+        self, container: ctypes.c_void_p, inputs: list[np.ndarray], outputs: int
+    ) -> list[np.ndarray]:
+        """Run a CPU model on C-contiguous numpy `inputs`; the outputs are numpy arrays over the
+        output tensors' memory. The GIL is released for the model's run and nowhere else:
+        torch.from_numpy and Tensor.numpy() each drop and retake it, which under two busy
+        threads is a wait for the other thread's Python."""
+        shim = self._shim
+        handles = (ctypes.c_void_p * len(inputs))()
+        for i, array in enumerate(inputs):
+            code = self._codes.get(array.dtype)
+            if code is None:
+                raise AotiError(f"numpy dtype {array.dtype} has no tensor dtype")
+            sizes = (ctypes.c_int64 * array.ndim)(*array.shape)
+            strides = (ctypes.c_int64 * array.ndim)(*(s // array.itemsize for s in array.strides))
+            data = array.ctypes.data
+            handle = ctypes.c_void_p()
+            made = shim.aoti_torch_create_tensor_from_blob(
+                data, array.ndim, sizes, strides, 0, code, self._cpu, 0, ctypes.byref(handle)
+            )
+            if made != 0:
+                for done in handles[:i]:
+                    shim.aoti_torch_delete_tensor_object(done)
+                raise AotiError("the input tensors could not be made")
+            handles[i] = handle.value
+        results = (ctypes.c_void_p * outputs)()
+        run = self._lib.AOTInductorModelContainerRun
+        self._check(run(container, handles, len(inputs), results, outputs, None, None), "run")
+        return [self._array(handle, inputs) for handle in results]
+
+    def _array(self, handle: int | None, inputs: list[np.ndarray]) -> np.ndarray:
+        """A numpy array over an output tensor, which it takes over."""
+        shim = self._shim
+        code, ndim, data = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_void_p()
+        sizes, strides = _i64_p(), _i64_p()
+        shim.aoti_torch_get_dtype(handle, ctypes.byref(code))
+        shim.aoti_torch_get_dim(handle, ctypes.byref(ndim))
+        shim.aoti_torch_get_sizes(handle, ctypes.byref(sizes))
+        shim.aoti_torch_get_strides(handle, ctypes.byref(strides))
+        shim.aoti_torch_get_data_ptr(handle, ctypes.byref(data))
+        dtype = self._dtypes.get(code.value)
+        shape = tuple(sizes[d] for d in range(ndim.value))
+        if dtype is None or not data.value:  # bf16 (numpy has none), or an empty tensor
+            import torch
+
+            (tensor,) = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(
+                [_new_capsule(handle, None, None)]
+            )
+            converted: np.ndarray = tensor.float().numpy() if dtype is None else tensor.numpy()
+            return converted
+        interface = {
+            "version": 3,
+            "typestr": dtype.str,
+            "data": (data.value, False),
+            "shape": shape,
+            "strides": tuple(strides[d] * dtype.itemsize for d in range(ndim.value)),
+        }
+        owner = _Output(interface, shim.aoti_torch_delete_tensor_object, handle or 0, inputs)
+        return np.asarray(owner)
 
     def set_omp_threads(self, threads: int) -> None:
         """The calling thread's OpenMP thread count, for the kernels it runs from now on."""

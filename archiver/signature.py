@@ -103,6 +103,28 @@ class Signature:
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
 
+    def check_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Named arrays against the inputs: names, datatypes, ranks and fixed sizes (-1 is any
+        size). Raises SignatureError naming the first difference."""
+        for name, array in arrays.items():
+            spec = self.input(name)
+            if spec is None:
+                known = ", ".join(t.name for t in self.inputs)
+                raise SignatureError(f"unknown input {name!r}; the model's inputs are {known}")
+            got = datatype_of(array.dtype)
+            if got != spec.datatype:
+                raise SignatureError(
+                    f"input {name!r} has datatype {got}; the model expects {spec.datatype}"
+                )
+            if not spec.accepts_shape(array.shape):
+                raise SignatureError(
+                    f"input {name!r} has shape {list(array.shape)}; the model expects "
+                    f"{list(spec.shape)} (-1 = any size)"
+                )
+        missing = [t.name for t in self.inputs if t.name not in arrays]
+        if missing:
+            raise SignatureError(f"missing input(s): {', '.join(missing)}")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "inputs": [t.to_dict() for t in self.inputs],

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
+from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import (
     BaseHandler,
@@ -71,24 +71,7 @@ class TensorHandler(BaseHandler):
     def _check_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not self.signature.inputs:
             return self._bind_names(tensors)
-        for name, array in tensors.items():
-            spec = self.signature.input(name)
-            if spec is None:
-                known = ", ".join(t.name for t in self.signature.inputs)
-                raise SignatureError(f"unknown input {name!r}; the model's inputs are {known}")
-            got = datatype_of(array.dtype)
-            if got != spec.datatype:
-                raise SignatureError(
-                    f"input {name!r} has datatype {got}; the model expects {spec.datatype}"
-                )
-            if not spec.accepts_shape(array.shape):
-                raise SignatureError(
-                    f"input {name!r} has shape {list(array.shape)}; the model expects "
-                    f"{list(spec.shape)} (-1 = any size)"
-                )
-        missing = [t.name for t in self.signature.inputs if t.name not in tensors]
-        if missing:
-            raise SignatureError(f"missing input(s): {', '.join(missing)}")
+        self.signature.check_inputs(tensors)
         return tensors
 
     def _bind_names(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

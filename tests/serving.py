@@ -23,7 +23,17 @@ def free_port() -> int:
 class ServerProcess:
     """Start with `start()`; `url`, `mgmt` and `metrics_url` are the three base URLs."""
 
-    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        store: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        """`command` runs the server (default: this interpreter's `-m scriptserve`), in `cwd`."""
+        self.command = command or [sys.executable, "-m", "scriptserve"]
+        self.cwd = cwd
         self.store = store
         self.args = list(args)
         self.management_key = secrets.token_urlsafe(24)
@@ -44,7 +54,7 @@ class ServerProcess:
 
     def start(self, wait_ready: bool = True, timeout_s: float = 60.0) -> ServerProcess:
         cmd = [
-            sys.executable, "-m", "scriptserve", "serve",
+            *self.command, "serve",
             "--model-store", str(self.store),
             "--inference-address", f"127.0.0.1:{self.ports[0]}",
             "--management-address", f"127.0.0.1:{self.ports[1]}",
@@ -55,7 +65,9 @@ class ServerProcess:
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd
+            )
         self.wait(lambda c: c.get(f"{self.url}/v2/health/live").status_code == 200, timeout_s)
         if wait_ready:
             self.wait(lambda c: c.get(f"{self.url}/v2/health/ready").status_code == 200, timeout_s)

@@ -16,12 +16,8 @@ here, around each call.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
-import inspect
 import logging
 import platform
-import sys
 import threading
 import warnings
 import zipfile
@@ -34,6 +30,8 @@ import numpy as np
 
 from scriptserve.archiver.accuracy import QuantizationError, Runner
 from scriptserve.archiver.int8.conversion import Int8Conversion, Int8Converter, QuantizeOptions
+from scriptserve.archiver.model_file import ModelFileError
+from scriptserve.archiver.model_source import load_eager_model
 
 log = logging.getLogger("scriptserve.quantize")
 
@@ -169,43 +167,10 @@ def _quantize(src: Path, dst: Path, options: QuantizeOptions) -> tuple[Any, Any,
 
 
 def _load_eager(model_file: Path, weights: Path, class_name: str | None) -> Any:
-    import torch
-
-    digest = hashlib.sha256(model_file.read_bytes()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(f"scriptserve_eager_{digest}", model_file)
-    if spec is None or spec.loader is None:
-        raise QuantizationError(f"model file {model_file.name!r} cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(model_file.parent))
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise QuantizationError(f"model file {model_file.name!r} failed: {exc!r}") from None
-    finally:
-        sys.path.remove(str(model_file.parent))
-    classes = {
-        n: c
-        for n, c in inspect.getmembers(module, inspect.isclass)
-        if issubclass(c, torch.nn.Module) and c.__module__ == module.__name__
-    }
-    if class_name is not None and class_name not in classes:
-        raise QuantizationError(f"{model_file.name} defines no nn.Module named {class_name!r}")
-    if class_name is None and len(classes) != 1:
-        raise QuantizationError(
-            f"{model_file.name} defines {len(classes)} nn.Module classes "
-            f"({', '.join(classes) or 'none'}); name the one to use"
-        )
-    model = classes[class_name or next(iter(classes))]()
-    try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-        model.load_state_dict(state)
-    except Exception as exc:
-        raise QuantizationError(
-            f"the weights in {weights.name!r} do not fit {type(model).__name__}: {exc}"
-        ) from None
-    return model.eval()
+        return load_eager_model(model_file, weights, class_name)
+    except ModelFileError as exc:
+        raise QuantizationError(str(exc)) from None
 
 
 def _int8_ops(int8: Any) -> tuple[dict[str, int], dict[str, int], list[str]]:

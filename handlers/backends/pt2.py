@@ -261,16 +261,14 @@ class Pt2Backend:
         arrays = [np.ascontiguousarray(inputs[n]) for n in self.input_names]
         self._check(arrays)
         self._enter_thread()
-        tensors = [torch.from_numpy(a) for a in arrays]
-        stream = None
-        if self._torch_device.type == "cuda":
-            tensors = [t.pin_memory().to(self._torch_device, non_blocking=True) for t in tensors]
-            stream = torch.cuda.current_stream(self._torch_device).cuda_stream
         with self._lock:
             container = self._containers[-1]
             container.calls += 1
         try:
-            outputs = self._library.run(container.handle, tensors, len(self.output_names), stream)
+            if self._torch_device.type == "cuda":
+                outputs = self._run_cuda(container, arrays)
+            else:
+                outputs = self._library.run_arrays(container.handle, arrays, len(self.output_names))
         except AotiError as exc:
             raise BackendError(str(exc)) from None
         finally:
@@ -278,15 +276,12 @@ class Pt2Backend:
                 container.calls -= 1
                 if container.retired and container.calls == 0:
                     self._delete(container)
-        return {name: _numpy(t) for name, t in zip(self.output_names, outputs, strict=True)}
+        return dict(zip(self.output_names, outputs, strict=True))
 
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    # Tensor methods that dispatch an op (detach, cpu, float) release and retake the GIL: under
-    # two busy threads each is a wait for the other's Python. A CPU output needs none of them.
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()  # numpy has no bf16
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    array: np.ndarray = tensor.numpy()
-    return array
+    def _run_cuda(self, container: _Container, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        device = self._torch_device
+        tensors = [torch.from_numpy(a).pin_memory().to(device, non_blocking=True) for a in arrays]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        outputs = self._library.run(container.handle, tensors, len(self.output_names), stream)
+        # numpy has no bf16
+        return [(t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for t in outputs]

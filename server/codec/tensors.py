@@ -160,23 +160,9 @@ def select_outputs(
 def check_signature(
     model_name: str, signature: Signature, inputs: Mapping[str, np.ndarray]
 ) -> None:
-    """A tensor request against the inputs its model takes: names, datatypes, ranks and fixed
-    sizes (-1 is any size). Raises InvalidInput naming the first difference."""
-    for name, array in inputs.items():
-        spec = signature.input(name)
-        if spec is None:
-            known = ", ".join(t.name for t in signature.inputs)
-            raise InvalidInput(f"unknown input {name!r}; the model's inputs are {known}")
-        got = datatype_of(array.dtype)
-        if got != spec.datatype:
-            raise InvalidInput(
-                f"input {name!r} has datatype {got}; the model expects {spec.datatype}"
-            )
-        if not spec.accepts_shape(array.shape):
-            raise InvalidInput(
-                f"input {name!r} has shape {list(array.shape)}; the model expects "
-                f"{list(spec.shape)} (-1 = any size)"
-            )
-    missing = [t.name for t in signature.inputs if t.name not in inputs]
-    if missing:
-        raise InvalidInput(f"model {model_name!r} needs input(s): {', '.join(missing)}")
+    """A tensor request against the inputs its model takes (`Signature.check_inputs`, the check
+    the tensor handler makes too); InvalidInput naming the first difference."""
+    try:
+        signature.check_inputs(inputs)
+    except SignatureError as exc:
+        raise InvalidInput(f"model {model_name!r}: {exc}") from None

@@ -4,6 +4,7 @@ inputs and outputs, threads running at once, and the packages it refuses at load
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import threading
 import time
@@ -17,6 +18,7 @@ from pt2models import (
     SLOW_ROWS,
     TINY_MAX_BATCH,
     TWO_HEADS_MAX_BATCH,
+    archive_eager,
     tiny_archive,
     two_heads_archive,
     two_heads_reference,
@@ -105,6 +107,21 @@ def test_outputs_match_eager_from_one_row_to_the_exported_max(tiny: Opened, batc
     assert outputs["output0"].shape == (batch, 3)
     assert outputs["output0"].dtype == np.float32
     np.testing.assert_allclose(outputs["output0"], reference_output(x), atol=1e-4, rtol=0)
+
+
+def test_outputs_own_their_memory_past_later_calls_and_the_backend_itself(tiny: Opened) -> None:
+    backend = tiny.backend()
+    x = rows(5, seed=3)
+    first = backend.run({"x": x})["output0"]
+    expected = reference_output(x)
+
+    for seed in range(20):
+        backend.run({"x": rows(TINY_MAX_BATCH, seed=seed)})
+    backend.close()
+    del backend
+    gc.collect()
+
+    np.testing.assert_allclose(first, expected, atol=1e-4, rtol=0)
 
 
 def test_a_batch_over_the_exported_max_is_refused_before_the_model_runs(tiny: Opened) -> None:
@@ -336,3 +353,21 @@ def test_a_cpu_package_is_refused_on_cuda_and_runs_on_cpu_beside_it(tiny: Opened
     np.testing.assert_allclose(
         tiny.backend().run({"x": rows(4)})["output0"], reference_output(rows(4)), atol=1e-4
     )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_package_runs_on_cuda_like_eager_and_is_refused_on_cpu() -> None:
+    archive = archive_eager(
+        "tiny_pt2_cuda", "TinyMLP", [0.5] * 8, TINY_MAX_BATCH, "--pt2-device", "cuda"
+    )
+    for cuda in opened(archive):
+        assert cuda.info.target.device == "cuda"
+        assert (cuda.info.target.cuda_arch or "").startswith("sm_")
+        x = rows(TINY_MAX_BATCH, seed=21)
+
+        outputs = cuda.backend(device="cuda:0").run({"x": x})
+
+        np.testing.assert_allclose(outputs["output0"], reference_output(x), atol=1e-3, rtol=0)
+        with pytest.raises(BackendError, match="serve it on a GPU"):
+            cuda.backend(device="cpu")

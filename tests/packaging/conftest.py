@@ -8,7 +8,6 @@ This folder has no `__init__.py` on purpose: with tests/ on sys.path it would sh
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -104,30 +103,8 @@ class InstalledServer(ServerProcess):
         cwd: Path,
         env: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(store, *args, env=env)
+        super().__init__(store, *args, env=env, command=[str(scripts / "scriptserve")], cwd=cwd)
         self.scripts = scripts
-        self.cwd = cwd
-
-    def start(self, wait_ready: bool = True, timeout_s: float = 60.0) -> InstalledServer:
-        cmd = [
-            str(self.scripts / "scriptserve"), "serve",
-            "--model-store", str(self.store),
-            "--inference-address", f"127.0.0.1:{self.ports[0]}",
-            "--management-address", f"127.0.0.1:{self.ports[1]}",
-            "--metrics-address", f"127.0.0.1:{self.ports[2]}",
-            "--grpc-inference-address", self.grpc,
-            "--grpc-management-address", self.grpc_mgmt,
-            *self.args,
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd
-            )
-        self.wait(lambda c: c.get(f"{self.url}/v2/health/live").status_code == 200, timeout_s)
-        if wait_ready:
-            self.wait(lambda c: c.get(f"{self.url}/v2/health/ready").status_code == 200, timeout_s)
-        return self
 
 
 ServerFactory = Callable[..., InstalledServer]

@@ -148,7 +148,7 @@ SIGNATURE = Signature((TensorSpec("x", "FP32", (-1, 8)), TensorSpec("m", "INT64"
         ),
         ({"x": np.zeros((1, 7), np.float32)}, r"input 'x' has shape \[1, 7\]; the model expects"),
         ({"x": np.zeros(8, np.float32)}, r"input 'x' has shape \[8\]"),
-        ({"x": np.zeros((2, 8), np.float32)}, r"model 'm' needs input\(s\): m"),
+        ({"x": np.zeros((2, 8), np.float32)}, r"model 'm': missing input\(s\): m"),
     ],
 )
 def test_tensor_requests_are_checked_against_the_signature(
