@@ -26,7 +26,7 @@ from scriptserve.archiver.manifest import Manifest, ManifestError
 from scriptserve.archiver.model_file import ModelFileError
 from scriptserve.archiver.pt2_export import DEFAULT_MAX_BATCH
 from scriptserve.archiver.pt2_package import Pt2PackageError, compatibility_problem
-from scriptserve.archiver.quantize import MODES, QuantizationError, Tolerance
+from scriptserve.archiver.quantize import ARCHIVE_MODES, QuantizationError, Tolerance
 from scriptserve.archiver.signature import SignatureError
 
 USER_ERRORS = (
@@ -163,8 +163,9 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quantize",
         default="none",
-        choices=MODES,
-        help="store the model converted to dynamic int8 (needs a sample input or validation file)",
+        choices=ARCHIVE_MODES,
+        help="store the model converted to int8 (needs a sample input or validation file); "
+        "static-int8 (activation ranges calibrated on --validation-file) is for .pt2 packages",
     )
     group.add_argument(
         "--validation-file",
@@ -212,7 +213,7 @@ def inspect_archive(path: Path, as_json: bool) -> str:
         listing = [{"name": n, "size": s, "sha256": h} for n, s, h in files]
         document = {"archive": str(path), "format": fmt, "manifest": manifest, "files": listing}
         return json.dumps(document, indent=2)
-    lines = [f"archive: {path} ({fmt})", *_pt2_summary(parsed)]
+    lines = [f"archive: {path} ({fmt})", *_pt2_summary(parsed), *_quantization_summary(parsed)]
     lines += ["manifest:", json.dumps(manifest, indent=2), "files:"]
     width = max(len(name) for name, _, _ in files)
     lines += [f"  {name:<{width}}  {size:>12}  {digest}" for name, size, digest in files]
@@ -233,6 +234,19 @@ def _pt2_summary(manifest: Manifest) -> list[str]:
         f"pt2: torch {info.torch_version}, {target.device} {where}, batch 1 to "
         f"{info.max_batch or 'any'} ({info.source})",
         f"this machine: {'can serve it' if problem is None else 'cannot serve it: ' + problem}",
+    ]
+
+
+def _quantization_summary(manifest: Manifest) -> list[str]:
+    """How an int8 archive was quantized, measured, and which int8 kernels it runs."""
+    quantization = manifest.scriptserve.quantization if manifest.scriptserve else None
+    if quantization is None or not quantization.quantized:
+        return []
+    ops = quantization.details.get("quantizedOps") or {}
+    kernels = ", ".join(f"{name} x{count}" for name, count in ops.items())
+    return [
+        f"int8: {quantization.mode}, {quantization.size_ratio}x smaller, "
+        f"{quantization.latency_ratio}x faster than fp32 on the sample; runs {kernels or '?'}"
     ]
 
 

@@ -16,6 +16,7 @@ import glob
 import json
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from scriptserve.archiver.manifest import (
 )
 from scriptserve.archiver.model_file import probe_model
 from scriptserve.archiver.pt2_export import (
+    DEFAULT_MAX_BATCH,
     Pt2Source,
     build_package,
     check_package,
@@ -48,6 +50,7 @@ from scriptserve.archiver.pt2_export import (
     max_batch_from,
 )
 from scriptserve.archiver.quantize import (
+    STATIC_INT8,
     QuantizationError,
     QuantizeOptions,
     Tolerance,
@@ -55,6 +58,7 @@ from scriptserve.archiver.quantize import (
     converter_for,
     is_torchscript_file,
     quantize_model_file,
+    quantize_pt2,
 )
 from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
 
@@ -154,6 +158,44 @@ def _quantize(
     return dst, measured.manifest_entry("archive")
 
 
+def _pt2_source(args: argparse.Namespace) -> Pt2Source:
+    """The model a package is compiled from: an ExportedProgram, or an eager class and its
+    state dict."""
+    exported_program = is_pt2_source(args.serialized_file)
+    if not exported_program and args.model_file is None:
+        raise ArchiveError(
+            "--export-pt2 needs the model's class: --model-file (and --model-class when the "
+            "file defines several) with its state dict as --serialized-file"
+        )
+    return Pt2Source(
+        weights=args.serialized_file,
+        model_file=None if exported_program else args.model_file,
+        model_class=args.model_class,
+    )
+
+
+def _quantize_pt2(
+    args: argparse.Namespace,
+    fp32: Path,
+    info: Pt2Info,
+    sample: dict[str, np.ndarray],
+    validation: ValidationSamples | None,
+    workdir: Path,
+    report: Report,
+) -> tuple[Path, Quantization, Pt2Info]:
+    """Compile the int8 package of the model `fp32` was compiled from; print what it measured."""
+    dst = workdir / f"{args.model_name}.int8.pt2"
+    tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
+    max_batch = info.max_batch or DEFAULT_MAX_BATCH
+    measured = quantize_pt2(
+        _pt2_source(args), fp32, dst, sample, max_batch, args.quantize, None, validation, tolerance
+    )
+    report(f"{measured.summary()}; int8 kernels: {', '.join(measured.quantized_ops)}")
+    checked = check_package(dst, sample, info.max_batch, info.source)
+    compiled = measured.options.get("compileOptions", {})
+    return dst, measured.manifest_entry("archive"), replace(checked.info, compile_options=compiled)
+
+
 def _pt2_model(
     args: argparse.Namespace,
     sample: dict[str, np.ndarray] | None,
@@ -166,20 +208,17 @@ def _pt2_model(
     flag: int | None = getattr(args, "max_batch", None)
     exported_program = is_pt2_source(src)
     if not (getattr(args, "export_pt2", False) or exported_program):
+        if getattr(args, "quantize", "none") != "none":
+            raise QuantizationError(
+                "--quantize on a .pt2 needs the model it is compiled from: --export-pt2 with "
+                "--model-file and its state dict, or an ExportedProgram saved with "
+                "torch.export.save; a compiled package cannot be quantized"
+            )
         build = check_package(src, sample, flag)
         return build.package, build.signature, build.info
-    if not exported_program and args.model_file is None:
-        raise ArchiveError(
-            "--export-pt2 needs the model's class: --model-file (and --model-class when the "
-            "file defines several) with its state dict as --serialized-file"
-        )
+    source = _pt2_source(args)
     if sample is None:
         raise ArchiveError("compiling a .pt2 package needs --sample-input or --input-shape")
-    source = Pt2Source(
-        weights=src,
-        model_file=None if exported_program else args.model_file,
-        model_class=args.model_class,
-    )
     dst = workdir / f"{args.model_name}.pt2"
     device = getattr(args, "pt2_device", "cpu")
     # An ExportedProgram keeps its own dynamic shapes: only the flag may lower its bound.
@@ -202,17 +241,43 @@ def _model_format(args: argparse.Namespace) -> ModelFormat:
     return format_for_file(args.serialized_file.name)
 
 
-def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> Path:
-    name = check_model_name(args.model_name)
-    if not args.serialized_file.is_file():
-        raise ArchiveError(f"--serialized-file not found: {args.serialized_file}")
-    fmt = _model_format(args)
-    config = _read_config(args.config_file)
+def _check_quantize(
+    args: argparse.Namespace, fmt: ModelFormat, validation: ValidationSamples | None
+) -> None:
+    """Refuse a --quantize this model cannot take, before anything is converted or compiled."""
+    if fmt != "pt2":
+        if args.quantize == STATIC_INT8:
+            raise QuantizationError(
+                f"static-int8 is made for .pt2 packages (torchao's PT2E flow); {fmt} models "
+                "take dynamic-int8"
+            )
+        converter_for(fmt)
+        return
+    if getattr(args, "pt2_device", "cpu") != "cpu":
+        raise QuantizationError(
+            "int8 .pt2 packages run on the CPU (torchao's X86 Inductor quantizer); compile "
+            "fp32 for CUDA"
+        )
+    if args.quantize == STATIC_INT8 and validation is None:
+        raise QuantizationError(
+            "static-int8 calibrates activation ranges on validation samples: give "
+            "--validation-file (or use dynamic-int8)"
+        )
+
+
+def _model(
+    args: argparse.Namespace,
+    fmt: ModelFormat,
+    config: dict[str, Any],
+    validation: ValidationSamples | None,
+    workdir: Path,
+    report: Report,
+) -> tuple[Path, Signature, Quantization, Pt2Info | None]:
+    """The model file to pack (compiled or converted to int8 as asked), its signature, how it
+    was quantized and, for a `.pt2`, how it was compiled."""
     quantize = getattr(args, "quantize", "none") != "none"
-    if quantize and fmt == "pt2":
-        converter_for(fmt)  # says that int8 is not available for pt2, and where it is
-    validation_file: Path | None = getattr(args, "validation_file", None)
-    validation = ValidationSamples.load(validation_file) if validation_file else None
+    if quantize:
+        _check_quantize(args, fmt, validation)
     eager_source = (
         quantize
         and fmt == "torchscript"
@@ -222,19 +287,34 @@ def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> 
     sample = None if eager_source else _load_sample(args, fmt)
     if sample is None and validation is not None:
         sample = {k: v[:1] for k, v in validation.inputs.items()}
-    model = args.serialized_file
+    model: Path = args.serialized_file
     quantization = Quantization()
-    pt2: Pt2Info | None = None
     if fmt == "pt2":
         model, signature, pt2 = _pt2_model(args, sample, config, workdir, report)
-    else:
         if quantize:
-            if eager_source and (args.sample_input is not None or args.input_shape):
-                sample = _load_sample(args, fmt)
-            elif not eager_source:
-                probe_model(model, fmt, sample)  # the fp32 model must load and run first
-            model, quantization = _quantize(args, fmt, sample, validation, workdir, report)
-        signature = probe_model(model, fmt, sample)
+            assert sample is not None  # _pt2_model compiled with it
+            model, quantization, pt2 = _quantize_pt2(
+                args, model, pt2, sample, validation, workdir, report
+            )
+        return model, signature, quantization, pt2
+    if quantize:
+        if eager_source and (args.sample_input is not None or args.input_shape):
+            sample = _load_sample(args, fmt)
+        elif not eager_source:
+            probe_model(model, fmt, sample)  # the fp32 model must load and run first
+        model, quantization = _quantize(args, fmt, sample, validation, workdir, report)
+    return model, probe_model(model, fmt, sample), quantization, None
+
+
+def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> Path:
+    name = check_model_name(args.model_name)
+    if not args.serialized_file.is_file():
+        raise ArchiveError(f"--serialized-file not found: {args.serialized_file}")
+    fmt = _model_format(args)
+    config = _read_config(args.config_file)
+    validation_file: Path | None = getattr(args, "validation_file", None)
+    validation = ValidationSamples.load(validation_file) if validation_file else None
+    model, signature, quantization, pt2 = _model(args, fmt, config, validation, workdir, report)
 
     files: dict[str, Path] = {model.name: model}
     if validation_file is not None:

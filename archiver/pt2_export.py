@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,11 +129,12 @@ def export_model(
         tensors = {n: torch.cat([t, t]) for n, t in tensors.items()}
     batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None
     dynamic = tuple({0: batch} if batch is not None else None for _ in tensors)
+    model = model.to(device)
+    if not isinstance(model, torch.fx.GraphModule):  # an exported module refuses eval()
+        model.eval()
     try:
         with torch.no_grad():
-            return torch.export.export(
-                model.to(device).eval(), tuple(tensors.values()), dynamic_shapes=dynamic
-            )
+            return torch.export.export(model, tuple(tensors.values()), dynamic_shapes=dynamic)
     except Exception as exc:
         raise ModelFileError(f"torch.export failed: {error_line(exc)}") from None
 
@@ -165,6 +167,18 @@ def compile_package(program: ExportedProgram, dst: Path, options: Mapping[str, A
     return Path(made)
 
 
+def load_source(
+    source: Pt2Source, sample: Mapping[str, np.ndarray], max_batch: int | None, device: str = "cpu"
+) -> tuple[Any, ExportedProgram, str]:
+    """(the model as a module, its ExportedProgram, "eager" or "exported-program"). An eager
+    model is exported for batches of 1 to `max_batch` (None: DEFAULT_MAX_BATCH)."""
+    if source.model_file is not None:
+        model = load_eager_model(source.model_file, source.weights, source.model_class)
+        return model, export_model(model, sample, max_batch or DEFAULT_MAX_BATCH, device), "eager"
+    program = load_exported_program(source.weights)
+    return program.module(), program, "exported-program"
+
+
 def build_package(
     source: Pt2Source,
     sample: Mapping[str, np.ndarray],
@@ -180,15 +194,7 @@ def build_package(
     from torch.utils._pytree import tree_leaves
 
     started = time.perf_counter()
-    model: Any
-    if source.model_file is not None:
-        model = load_eager_model(source.model_file, source.weights, source.model_class)
-        program = export_model(model, sample, max_batch or DEFAULT_MAX_BATCH, device)
-        kind = "eager"
-    else:
-        program = load_exported_program(source.weights)
-        model = program.module()
-        kind = "exported-program"
+    model, program, kind = load_source(source, sample, max_batch, device)
     options = compile_options() if device == "cpu" else {"freezing": True}
     compile_package(program, dst, options)
     seconds = time.perf_counter() - started
@@ -342,6 +348,54 @@ def check_package(
         source=source,
     )
     return Pt2Build(path, info, signature, max_abs_diff=diff)
+
+
+class PackageRunner:
+    """A CPU `.pt2` package run in this process through the C ABI, one model instance, for
+    measuring it at archive time (the int8 report, benchmarks). Inputs are taken by name, or
+    in order when their names are not the package's; `close` (or garbage collection) frees it.
+
+        runner = PackageRunner(Path("model.pt2"), threads=1)
+        runner({"x": np.ones((32, 512), np.float32)})  # {"output0": ...}
+    """
+
+    def __init__(self, path: Path, threads: int = 1) -> None:
+        try:
+            package = read_package(path)
+        except Pt2PackageError as exc:
+            raise ModelFileError(str(exc)) from None
+        if package.device != "cpu":
+            raise ModelFileError(f"{path.name} is compiled for {package.device}, not for the CPU")
+        self._dir = tempfile.TemporaryDirectory(prefix="scriptserve-pt2-run-")
+        self._library = AotiLibrary(package.extract(Path(self._dir.name)))
+        self._container = self._library.create(1, "cpu")
+        self.inputs = self._library.names(self._container, "Input")
+        self.outputs = self._library.names(self._container, "Output")
+        self._threads = threads
+        self._finalizer = weakref.finalize(
+            self, PackageRunner._free, self._library, self._container, self._dir
+        )
+
+    @staticmethod
+    def _free(
+        library: AotiLibrary, container: Any, workdir: tempfile.TemporaryDirectory[str]
+    ) -> None:
+        library.delete(container)
+        library.close()
+        workdir.cleanup()
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = list(self.inputs)
+        values = [inputs[n] for n in names] if set(inputs) == set(names) else list(inputs.values())
+        if len(values) != len(names):
+            raise ModelFileError(f"the package takes {len(names)} inputs, not {len(values)}")
+        self._library.set_omp_threads(self._threads)
+        arrays = [np.ascontiguousarray(v) for v in values]
+        results = self._library.run_arrays(self._container, arrays, len(self.outputs))
+        return {n: np.array(r) for n, r in zip(self.outputs, results, strict=True)}
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 def is_pt2_source(path: Path) -> bool:

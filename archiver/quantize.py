@@ -18,7 +18,9 @@ tolerance=None) -> QuantizationReport` writes `dst` or raises `QuantizationError
 
 Each model format converts in its own module under archiver/int8/ (`torchscript.py`: torch.ao
 dynamic quantization; `onnx.py`: onnxruntime's `quantize_dynamic`), named here in `CONVERTERS`;
-this module measures the result the same way for every format and reports it.
+this module measures the result the same way for every format and reports it. A `.pt2` package
+is quantized from the model it is compiled from, at archive time only (`quantize_pt2`:
+torchao's PT2E flow, dynamic or static, in `pt2.py`), and measured against the fp32 package.
 
 Ratios are fp32 / int8: `size_ratio` 4.0 means four times smaller, `latency_ratio` 2.0 twice as
 fast (medians in this process, on the sample input).
@@ -30,7 +32,7 @@ import hashlib
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +49,19 @@ from scriptserve.archiver.accuracy import (
     max_abs_diff,
 )
 from scriptserve.archiver.int8 import onnx as onnx_int8
+from scriptserve.archiver.int8 import pt2 as pt2_int8
 from scriptserve.archiver.int8 import torchscript as torchscript_int8
-from scriptserve.archiver.int8.conversion import Int8Converter, QuantizeOptions
+from scriptserve.archiver.int8.conversion import Int8Conversion, Int8Converter, QuantizeOptions
 from scriptserve.archiver.int8.torchscript import is_torchscript_file, select_engine
 from scriptserve.archiver.manifest import ModelFormat, Quantization
+from scriptserve.archiver.pt2_export import PackageRunner, Pt2Source
 
 __all__ = [
+    "ARCHIVE_MODES",
     "CONVERTERS",
     "DYNAMIC_INT8",
     "MODES",
+    "STATIC_INT8",
     "QuantizationError",
     "QuantizationReport",
     "QuantizeOptions",
@@ -65,6 +71,7 @@ __all__ = [
     "converter_for",
     "is_torchscript_file",
     "quantize_model_file",
+    "quantize_pt2",
     "select_engine",
     "sha256_of",
 ]
@@ -73,7 +80,11 @@ are TorchScript's `select_engine` and `is_torchscript_file` (archiver/int8/torch
 which the TorchScript backend and the model-archiver CLI use."""
 
 DYNAMIC_INT8 = "dynamic-int8"
+STATIC_INT8 = "static-int8"
 MODES = ("none", DYNAMIC_INT8)
+"""What a model config or registration may ask for at load."""
+ARCHIVE_MODES = (*MODES, STATIC_INT8)
+"""What `model-archiver --quantize` takes: static int8 is made at archive time, for `.pt2`."""
 
 CONVERTERS: dict[ModelFormat, Int8Converter] = {
     "torchscript": torchscript_int8.CONVERTER,
@@ -100,6 +111,7 @@ class QuantizationReport:
     validation: ValidationResult | None = None
     int8_sha256: str = ""
     cached: bool = False
+    mode: str = DYNAMIC_INT8
 
     @property
     def size_ratio(self) -> float:
@@ -137,7 +149,7 @@ class QuantizationReport:
         if self.validation is not None:
             details["validation"] = asdict(self.validation)
         return Quantization(
-            mode=DYNAMIC_INT8,
+            mode=self.mode,
             details=details,
             source_sha256=self.source_sha256,
             size_ratio=round(self.size_ratio, 3),
@@ -147,14 +159,21 @@ class QuantizationReport:
 
     def summary(self) -> str:
         return (
-            f"dynamic int8: {self.size_ratio:.2f}x smaller, {self.latency_ratio:.2f}x faster "
-            f"on the sample input, max |int8 - fp32| {self.max_abs_diff:.4g}"
+            f"{self.mode.replace('-', ' ')}: {self.size_ratio:.2f}x smaller, "
+            f"{self.latency_ratio:.2f}x faster on the sample input, "
+            f"max |int8 - fp32| {self.max_abs_diff:.4g}"
         )
 
 
 def converter_for(fmt: ModelFormat) -> Int8Converter:
     """The dynamic int8 converter of a model format; QuantizationError where there is none."""
     converter = CONVERTERS.get(fmt)
+    if fmt == "pt2":
+        raise QuantizationError(
+            "a .pt2 package is quantized when it is compiled: model-archiver --export-pt2 "
+            "--quantize dynamic-int8 (or static-int8) from the model's class and state dict or "
+            "an ExportedProgram; serve this one without quantize"
+        )
     if converter is None:
         raise QuantizationError(
             f"dynamic int8 is not available for {fmt} models "
@@ -209,26 +228,90 @@ def convert(
     converter = converter_for(fmt)
     if not src.is_file():
         raise QuantizationError(f"model file not found: {src.name}")
+    _need_sample(sample)
+    done = converter.convert(src, dst, options)
+    _need_quantized(done.quantized_ops, done.ops, f"dynamic int8 converts {converter.converts}")
+    with converter.measuring(options):
+        report = _measure(done, src, dst, sample, options.latency_runs, validation)
+    return replace(report, model_format=fmt, options=options.key())
+
+
+def quantize_pt2(
+    source: Pt2Source,
+    fp32_package: Path,
+    dst: Path,
+    sample: Mapping[str, np.ndarray],
+    max_batch: int,
+    mode: str = DYNAMIC_INT8,
+    options: QuantizeOptions | None = None,
+    validation: ValidationSamples | None = None,
+    tolerance: Tolerance | None = None,
+) -> QuantizationReport:
+    """Write the int8 `.pt2` package of the model `fp32_package` was compiled from (torchao's
+    PT2E flow, archiver/int8/pt2.py) to `dst`, and measure it against `fp32_package` as
+    `quantize_model_file` measures the other formats. `static-int8` calibrates on
+    `validation`. QuantizationError (and no `dst`) when nothing is quantized, the compiled code
+    runs no int8 kernels, or the accuracy guard refuses it."""
+    if mode not in (DYNAMIC_INT8, STATIC_INT8):
+        raise QuantizationError(f"quantize {mode!r}: use {DYNAMIC_INT8} or {STATIC_INT8}")
+    options = options or QuantizeOptions()
+    _need_sample(sample)
+    try:
+        done = pt2_int8.convert(
+            source, sample, dst, max_batch, static=mode == STATIC_INT8, validation=validation
+        )
+        _need_quantized(done.kernels, done.ops, f"PT2E int8 converts {pt2_int8.CONVERTS}")
+        conversion = Int8Conversion(
+            fp32=PackageRunner(fp32_package, options.threads),
+            int8=PackageRunner(dst, options.threads),
+            quantized_ops=done.kernels,
+            left_float={},
+            ops=done.ops,
+            engine="onednn",
+        )
+        report = _measure(conversion, fp32_package, dst, sample, options.latency_runs, validation)
+        report = replace(report, model_format="pt2", options=done.options, mode=mode)
+        if report.validation is not None:
+            check_tolerance(report.validation, tolerance or Tolerance())
+    except BaseException:
+        dst.unlink(missing_ok=True)
+        raise
+    return report
+
+
+def _need_sample(sample: Mapping[str, np.ndarray]) -> None:
     if not sample:
         raise QuantizationError("quantizing needs a sample input to measure int8 against fp32")
-    done = converter.convert(src, dst, options)
-    if not done.quantized_ops:
-        ops = ", ".join(done.ops[:12]) + (", ..." if len(done.ops) > 12 else "")
+
+
+def _need_quantized(quantized: Mapping[str, int], ops: list[str], converts: str) -> None:
+    if not quantized:
+        listed = ", ".join(ops[:12]) + (", ..." if len(ops) > 12 else "")
         raise QuantizationError(
-            f"nothing to quantize: dynamic int8 converts {converter.converts}, and this model "
-            f"has none (its ops: {ops or 'none'}); serve it in fp32 without --quantize"
+            f"nothing to quantize: {converts}, and this model has none "
+            f"(its ops: {listed or 'none'}); serve it in fp32 without --quantize"
         )
+
+
+def _measure(
+    done: Int8Conversion,
+    src: Path,
+    dst: Path,
+    sample: Mapping[str, np.ndarray],
+    latency_runs: int,
+    validation: ValidationSamples | None,
+) -> QuantizationReport:
+    """Both versions on the sample (difference, latency) and on the validation samples."""
     try:
-        with converter.measuring(options):
-            diff = max_abs_diff(done.fp32(sample), done.int8(sample))
-            fp32_ms, int8_ms = _latency_ms(done.fp32, done.int8, sample, options.latency_runs)
-            checked = compare(done.fp32, done.int8, validation) if validation else None
+        diff = max_abs_diff(done.fp32(sample), done.int8(sample))
+        fp32_ms, int8_ms = _latency_ms(done.fp32, done.int8, sample, latency_runs)
+        checked = compare(done.fp32, done.int8, validation) if validation else None
     except QuantizationError:
         raise
     except Exception as exc:
         raise QuantizationError(f"the int8 model failed on the sample input: {exc}") from None
     return QuantizationReport(
-        model_format=fmt,
+        model_format="",
         source_sha256=sha256_of(src),
         fp32_bytes=src.stat().st_size,
         int8_bytes=dst.stat().st_size,
@@ -238,7 +321,7 @@ def convert(
         quantized_ops=done.quantized_ops,
         left_float=done.left_float,
         engine=done.engine,
-        options=options.key(),
+        options={},
         validation=checked,
         int8_sha256=sha256_of(dst),
     )

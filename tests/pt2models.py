@@ -4,7 +4,9 @@
   batches of 1 to `TINY_MAX_BATCH` rows;
 - `two_heads_archive()`: `TwoHeads`, two inputs and two outputs, whose call at batch
   `SLOW_ROWS` takes about 0.1 s on one core (for the tests of threads running at once);
-- `tiny_package()`: the compiled package inside the tiny archive, as a user would bring it.
+- `tiny_package()`: the compiled package inside the tiny archive, as a user would bring it;
+- `tiny_int8_archive(mode)`: TinyMLP as an int8 package (`dynamic-int8` or `static-int8`,
+  torchao's PT2E flow), with `tiny_validation()` stored in it for the accuracy guard.
 
 A compile takes 8 to 25 s. Inductor's cache is build/pt2-test-cache (ignored by git), so a
 second session compiles from a warm cache.
@@ -127,3 +129,23 @@ def tiny_package() -> Path:
     with zipfile.ZipFile(tiny_archive()) as zf:
         target.write_bytes(zf.read("tiny_pt2.pt2"))
     return target
+
+
+@functools.cache
+def tiny_validation() -> Path:
+    """TinyMLP validation inputs: normal rows, and rows whose values are all positive (the case
+    Inductor's dynamic range computation got wrong; archiver/int8/pt2.py)."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal((200, 8)), rng.uniform(0.2, 1.0, (56, 8))])
+    path = workdir() / "tiny_validation.npz"
+    np.savez(path, x=x.astype(np.float32))
+    return path
+
+
+@functools.cache
+def tiny_int8_archive(mode: str) -> Path:
+    name = "tiny_" + mode.replace("-", "_")
+    validation = ("--validation-file", str(tiny_validation()))
+    return archive_eager(
+        name, "TinyMLP", [0.5] * 8, TINY_MAX_BATCH, "--quantize", mode, *validation
+    )

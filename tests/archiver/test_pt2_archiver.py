@@ -208,16 +208,6 @@ def test_a_pt2_file_that_is_no_package_is_a_one_line_error(
     assert one_line_error(done).startswith(message)
 
 
-def test_int8_is_refused_for_pt2_by_name(sample: Path, tmp_path: Path) -> None:
-    done = run(
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--serialized-file",
-        str(tiny_package()), "--sample-input", str(sample), "--export-path", str(tmp_path),
-        "--quantize", "dynamic-int8",
-    )  # fmt: skip
-
-    assert "dynamic int8 is not available for pt2 models" in one_line_error(done)
-
-
 def test_a_sample_of_the_wrong_width_is_a_one_line_error(tmp_path: Path) -> None:
     short = tmp_path / "short.json"
     short.write_text(json.dumps([0.5] * 5))

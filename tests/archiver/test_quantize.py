@@ -214,11 +214,15 @@ def test_conv_only_model_has_nothing_to_quantize(tmp_path: Path, fmt: str) -> No
     assert not dst.exists()
 
 
-def test_format_without_a_converter_is_refused_by_name(mlp_pt: Path, tmp_path: Path) -> None:
+def test_a_pt2_file_is_quantized_only_when_it_is_compiled(mlp_pt: Path, tmp_path: Path) -> None:
+    """A compiled package holds no graph to quantize: the error says where int8 .pt2 is made."""
     assert converter_for("onnx").suffix == ".onnx"
-    with pytest.raises(QuantizationError, match="not available for pt2 models") as exc:
-        quantize_model_file(mlp_pt, tmp_path / "q.pt2", "pt2", SAMPLE)  # type: ignore[arg-type]
-    assert "torchscript, onnx" in str(exc.value)
+    with pytest.raises(QuantizationError) as exc:
+        quantize_model_file(mlp_pt, tmp_path / "q.pt2", "pt2", SAMPLE)
+    assert str(exc.value).startswith(
+        "a .pt2 package is quantized when it is compiled: model-archiver --export-pt2 "
+        "--quantize dynamic-int8 (or static-int8)"
+    )
     assert not (tmp_path / "q.pt2").exists()
 
 
