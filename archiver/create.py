@@ -191,7 +191,7 @@ def _quantize_pt2(
         _pt2_source(args), fp32, dst, sample, max_batch, args.quantize, None, validation, tolerance
     )
     report(f"{measured.summary()}; int8 kernels: {', '.join(measured.quantized_ops)}")
-    checked = check_package(dst, sample, info.max_batch, info.source)
+    checked = check_package(dst, sample, None, info.source, exported_bound=info.max_batch)
     compiled = measured.options.get("compileOptions", {})
     return dst, measured.manifest_entry("archive"), replace(checked.info, compile_options=compiled)
 

@@ -203,8 +203,14 @@ def build_package(
         expected = model(*(torch.from_numpy(np.ascontiguousarray(a)).to(device)
                            for a in named.values()))  # fmt: skip
     reference = [t.detach().cpu().numpy() for t in tree_leaves(expected)]
-    cap = max_batch if kind == "exported-program" else None
-    build = check_package(dst, named, cap, kind, {**options, "noGrad": True}, reference)
+    bound = program_batch_bound(program)
+    if kind == "exported-program" and max_batch is not None:
+        bound = min(bound or max_batch, max_batch)
+    build = check_package(
+        dst, named, None, kind, {**options, "noGrad": True}, reference, exported_bound=bound
+    )
+    if bound is not None and bound > 1:
+        _check_at_bound(dst, model, named, bound, device)
     diff = "" if build.max_abs_diff is None else f", max |pt2 - {kind}| {build.max_abs_diff:.3g}"
     target = build.info.target
     report = (
@@ -213,6 +219,63 @@ def build_package(
         f"{build.info.max_batch}{diff}"
     )
     return Pt2Build(build.package, build.info, build.signature, report, build.max_abs_diff)
+
+
+def program_batch_bound(program: ExportedProgram) -> int | None:
+    """The largest batch (dim 0 of the first input) `program` was exported for; None when
+    unbounded or static."""
+    import sympy
+
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    user = set(program.graph_signature.user_inputs)
+    shapes = [n.meta["val"].shape for n in placeholders if n.name in user and "val" in n.meta]
+    if not shapes or not len(shapes[0]):
+        return None
+    batch = shapes[0][0]
+    if isinstance(batch, int):
+        return batch
+    ranges = program.range_constraints.get(batch.node.expr)
+    if ranges is None or not isinstance(ranges.upper, (int, sympy.Integer)):
+        return None
+    return int(ranges.upper)
+
+
+def _check_at_bound(
+    path: Path, model: Any, sample: Mapping[str, np.ndarray], bound: int, device: str
+) -> None:
+    """Run the package on `bound` rows and compare with the model. Inductor may write a lower
+    bound into the generated input check than the exported one (15 for a small CNN exported
+    for 64, whose outputs are right at 64): the exported bound is the one served, so it is
+    checked here."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    rng = np.random.default_rng(0)
+    rows = {
+        n: np.ascontiguousarray(
+            np.repeat(a[:1], bound, axis=0)
+            + (rng.standard_normal((bound, *a.shape[1:])) * 0.1).astype(a.dtype)
+            if a.dtype.kind == "f"
+            else np.repeat(a[:1], bound, axis=0)
+        )
+        for n, a in sample.items()
+    }
+    package = read_package(path)
+    try:
+        _, outputs = _run_once(package, device, list(rows.values()), input_checks=False)
+    except AotiError as exc:
+        raise ModelFileError(f"{path.name} failed on a batch of {bound} rows: {exc}") from None
+    with torch.no_grad():
+        expected = model(*(torch.from_numpy(a).to(device) for a in rows.values()))
+    for got, want in zip(outputs, tree_leaves(expected), strict=True):
+        want_np = want.detach().float().cpu().numpy()
+        diff = float(np.max(np.abs(got - want_np))) if got.size else 0.0
+        scale = max(1.0, float(np.max(np.abs(want_np)))) if want_np.size else 1.0
+        if not diff <= 1e-3 * scale:
+            raise ModelFileError(
+                f"{path.name} differs from the model by {diff:.3g} on a batch of {bound} rows; "
+                "export it with a lower --max-batch"
+            )
 
 
 # -- checking a package ---------------------------------------------------------------------
@@ -247,7 +310,7 @@ def _runtime_stderr_dropped() -> Iterator[None]:
 
 
 def _run_once(
-    package: Pt2Package, device: str, inputs: list[np.ndarray]
+    package: Pt2Package, device: str, inputs: list[np.ndarray], input_checks: bool = True
 ) -> tuple[tuple[str, ...], list[np.ndarray]]:
     """(output names, outputs) of one run of the package on `inputs`, in the model's order."""
     import torch
@@ -264,7 +327,8 @@ def _run_once(
                 )
             names = library.names(container, "Output")
             tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in inputs]
-            with _input_checks(), _runtime_stderr_dropped():
+            checks = _input_checks() if input_checks else contextlib.nullcontext()
+            with checks, _runtime_stderr_dropped():
                 results = library.run(container, tensors, len(names))
         finally:
             library.delete(container)
@@ -281,12 +345,14 @@ def check_package(
     source: str = "package",
     compile_options: Mapping[str, Any] | None = None,
     reference: list[np.ndarray] | None = None,
+    exported_bound: int | None = None,
 ) -> Pt2Build:
     """Check that the package at `path` can be served, run it on `sample` (its arrays in the
     model's input order, named as the signature will name them) and describe it.
 
-    The batch bound is the one the package was exported with; `max_batch` may lower it, or
-    stands in for it in a package exported without one.
+    The batch bound is the one the package was exported with (`exported_bound` when the
+    caller exported it, else the bound in its generated input checks); `max_batch` may lower
+    it, or stands in for it in a package exported without one.
     """
     import torch
 
@@ -310,7 +376,10 @@ def check_package(
             f"{path.name} takes a fixed batch of {fixed}; export it with a dynamic batch "
             "dimension (Dim('batch', max=...)), or let model-archiver export it"
         )
-    exported = 1 if fixed == 1 else package.batch_bound()
+    if exported_bound is not None:
+        exported: int | None = exported_bound
+    else:
+        exported = 1 if fixed == 1 else package.batch_bound()
     if exported is not None and max_batch is not None and max_batch > exported:
         raise ModelFileError(
             f"--max-batch {max_batch} is more than the {exported} rows {path.name} was exported for"

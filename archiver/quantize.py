@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from scriptserve.archiver.int8.conversion import Int8Conversion, Int8Converter, 
 from scriptserve.archiver.int8.torchscript import is_torchscript_file, select_engine
 from scriptserve.archiver.manifest import ModelFormat, Quantization
 from scriptserve.archiver.pt2_export import PackageRunner, Pt2Source
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 __all__ = [
     "ARCHIVE_MODES",
@@ -237,7 +240,7 @@ def convert(
 
 
 def quantize_pt2(
-    source: Pt2Source,
+    source: Pt2Source | ExportedProgram,
     fp32_package: Path,
     dst: Path,
     sample: Mapping[str, np.ndarray],

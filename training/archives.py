@@ -23,16 +23,25 @@ import yaml
 from scriptserve.archiver.archive import ArchiveFormat, ArchiveSpec, build_archive
 from scriptserve.archiver.manifest import (
     Manifest,
-    ModelFormat,
     ModelInfo,
     Quantization,
     ScriptserveInfo,
+    format_for_file,
 )
 from scriptserve.archiver.model_file import probe_model
 from scriptserve.training.export import INPUT_NAME, Exported
 
 HANDLER = "image_classifier"
-ARCHIVE_SUFFIX = {"torchscript": "", "traced": "-traced", "onnx": "-onnx", "int8": "-int8"}
+ARCHIVE_SUFFIX = {
+    "pt2": "",
+    "pt2-int8": "-int8",
+    "torchscript": "-torchscript",
+    "traced": "-traced",
+    "onnx": "-onnx",
+    "torchscript-int8": "-torchscript-int8",
+}
+"""Archive names by format: the `.pt2` archives are the model's own name (`digits.mar`,
+`digits-int8.mar`); the deprecated TorchScript and ONNX ones say what they hold."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,7 @@ def build_model_archive(
     metrics: dict[str, Any],
 ) -> Path:
     """Write `<export_path>/<name>.mar` for one exported model and return its path."""
-    model_format: ModelFormat = "onnx" if exported.model_format == "onnx" else "torchscript"
+    model_format = format_for_file(exported.path.name)
     signature = probe_model(exported.path, model_format, {INPUT_NAME: contents.sample})
     name = archive_name(base_name, exported.fmt)
     serialized = f"model{exported.path.suffix}"
@@ -107,6 +116,7 @@ def build_model_archive(
             sample_input="sample.json",
             validation_samples="validation.npz",
             metrics=metrics,
+            pt2=exported.pt2,
         ),
     )
     return build_archive(

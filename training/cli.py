@@ -11,14 +11,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scriptserve.training.export import FORMATS, ExportError
+from scriptserve.training.export import DEFAULT_FORMATS, FORMATS, ExportError
 from scriptserve.training.models import MODELS
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m scriptserve.training",
-        description="Train a digits classifier and write TorchScript / ONNX / int8 archives.",
+        description="Train a digits classifier and write .pt2 (fp32, int8), TorchScript or ONNX "
+        "archives.",
     )
     p.add_argument("--model", default="lenet", choices=sorted(MODELS), help="default lenet")
     p.add_argument("--name", default="digits", help="model (and archive) name; default digits")
@@ -39,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-limit", type=int, help="use only the first N training images")
     p.add_argument(
         "--formats",
-        default="torchscript,onnx",
-        help=f"comma-separated, from {', '.join(FORMATS)} (default torchscript,onnx)",
+        default=",".join(DEFAULT_FORMATS),
+        help=f"comma-separated, from {', '.join(FORMATS)} (default %(default)s; TorchScript "
+        "is deprecated upstream and kept for existing deployments)",
     )
     p.add_argument("--out", type=Path, default=Path("model_store"), help="archive directory")
     p.add_argument(

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,18 +45,24 @@ from scriptserve.training.distributed import (
     select_device,
 )
 from scriptserve.training.export import (
+    DEFAULT_FORMATS,
     FORMATS,
     Exported,
     ExportError,
-    export_int8,
     export_onnx,
+    export_pt2,
+    export_pt2_int8,
     export_torchscript,
+    export_torchscript_int8,
     export_traced,
     runner_for,
 )
 from scriptserve.training.loop import AmpPolicy, evaluate, make_optimizer, profiling, train_epoch
 from scriptserve.training.models import build_model
 from scriptserve.training.report import plot_curves, write_metrics
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 log = logging.getLogger("training")
 
@@ -82,7 +88,7 @@ class TrainConfig:
     num_workers: int = 0
     streaming: bool = False
     train_limit: int | None = None
-    formats: tuple[str, ...] = ("torchscript", "onnx")
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     out: Path = Path("model_store")
     work_dir: Path | None = None
     resume: bool = False
@@ -271,8 +277,9 @@ def _publish(
     )
     support = write_support_files(contents, export_dir / "support")
     archives = []
+    programs: dict[str, tuple[Exported, ExportedProgram]] = {}
     for fmt in config.formats:
-        exported = _export(fmt, net, export_dir, example, held_out, contents)
+        exported = _export(fmt, net, export_dir, example, held_out, contents, programs)
         logits = runner_for(exported.model_format)(exported.path, held_out.numpy())
         accuracy = float((logits.argmax(1) == splits.test.labels.numpy()).mean())
         archive_metrics = {
@@ -298,15 +305,28 @@ def _export(
     example: torch.Tensor,
     held_out: torch.Tensor,
     contents: ArchiveContents,
+    programs: dict[str, tuple[Exported, ExportedProgram]],
 ) -> Exported:
+    """One format's export; the `.pt2` export (and its program) is kept in `programs`, as
+    the int8 package is made from it and measured against it."""
+    if fmt in ("pt2", "pt2-int8") and "pt2" not in programs:
+        programs["pt2"] = export_pt2(net, folder / "model.pt2", example, held_out)
+    if fmt == "pt2":
+        return programs["pt2"][0]
+    if fmt == "pt2-int8":
+        fp32, program = programs["pt2"]
+        return export_pt2_int8(
+            program, fp32, folder, contents.sample, contents.validation_inputs,
+            contents.validation_labels,
+        )  # fmt: skip
     if fmt == "torchscript":
         return export_torchscript(net, folder / "model.pt", held_out)
     if fmt == "traced":
         return export_traced(net, folder / "traced.pt", example, held_out)
     if fmt == "onnx":
         return export_onnx(net, folder / "model.onnx", example, held_out)
-    if fmt == "int8":
-        return export_int8(
+    if fmt == "torchscript-int8":
+        return export_torchscript_int8(
             net, folder, contents.sample, contents.validation_inputs, contents.validation_labels
         )
     raise ExportError(f"unknown format {fmt!r}")

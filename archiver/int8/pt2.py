@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from scriptserve.archiver.pt2_export import (
     load_source,
 )
 from scriptserve.archiver.pt2_package import Pt2Package, Pt2PackageError, read_package
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 _INT8_CALL = re.compile(r"\b(aoti_torch_cpu__q(?:linear|conv\w*?)_pointwise\w*)\s*\(")
 """A call of one of oneDNN's fused int8 linear or convolution kernels in the generated code."""
@@ -162,16 +165,17 @@ def _aten_ops(program: Any) -> list[str]:
 
 
 def convert(
-    source: Pt2Source,
+    source: Pt2Source | ExportedProgram,
     sample: Mapping[str, np.ndarray],
     dst: Path,
     max_batch: int,
     static: bool = False,
     validation: ValidationSamples | None = None,
 ) -> Pt2Int8:
-    """Quantize the model of `source` with torchao's PT2E flow and compile the int8 package
-    `dst` for batches of 1 to `max_batch`. QuantizationError when nothing is quantized (no
-    package is compiled then) or the compiled code has no int8 kernels."""
+    """Quantize the model of `source` (files, or a program exported with its dynamic batch)
+    with torchao's PT2E flow and compile the int8 package `dst` for batches of 1 to
+    `max_batch`. QuantizationError when nothing is quantized (no package is compiled then) or
+    the compiled code has no int8 kernels."""
     import torch
     import torchao
     from torchao.quantization.pt2e import move_exported_model_to_eval
@@ -182,10 +186,13 @@ def convert(
     )
 
     batches = list(_calibration(sample, validation, static))
-    try:
-        _, program, kind = load_source(source, sample, max_batch)
-    except ModelFileError as exc:
-        raise QuantizationError(str(exc)) from None
+    if isinstance(source, Pt2Source):
+        try:
+            _, program, kind = load_source(source, sample, max_batch)
+        except ModelFileError as exc:
+            raise QuantizationError(str(exc)) from None
+    else:
+        program, kind = source, "exported-program"
     quantizer = X86InductorQuantizer()
     quantizer.set_global(get_default_x86_inductor_quantization_config(is_dynamic=not static))
     try:

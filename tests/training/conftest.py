@@ -6,7 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from pt2models import inductor_cache
 
+from scriptserve.training.export import FORMATS
 from scriptserve.training.run import TrainConfig, TrainResult, train
 
 # Six epochs on the whole training split: ~97 % test accuracy, a few seconds on 2 cores.
@@ -16,9 +18,9 @@ SHORT_RUN = TrainConfig(model="lenet", epochs=6, seed=0, progress=False)
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, TrainResult]:
     out = tmp_path_factory.mktemp("trained") / "store"
-    config = TrainConfig(**{**SHORT_RUN.__dict__, "out": out,
-                            "formats": ("torchscript", "traced", "onnx", "int8")})  # fmt: skip
-    return config, train(config)
+    config = TrainConfig(**{**SHORT_RUN.__dict__, "out": out, "formats": FORMATS})  # fmt: skip
+    with inductor_cache():  # the .pt2 packages compile with the tests' Inductor cache
+        return config, train(config)
 
 
 SmallRun = Callable[..., TrainConfig]

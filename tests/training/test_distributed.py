@@ -36,8 +36,8 @@ def test_two_ranks_end_with_identical_weights(tmp_path: Path) -> None:
     assert len(rank0.strip()) == 64 and rank0 == rank1
     assert "[rank 1]: epoch 2/2" in proc.stderr  # both ranks trained
     # Only rank 0 wrote: one archive, and it verifies.
-    assert [p.name for p in (tmp_path / "store").glob("*.mar")] == ["digits.mar"]
-    assert verify_archive(tmp_path / "store" / "digits.mar").ok
+    assert [p.name for p in (tmp_path / "store").glob("*.mar")] == ["digits-torchscript.mar"]
+    assert verify_archive(tmp_path / "store" / "digits-torchscript.mar").ok
 
 
 def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:

@@ -15,11 +15,13 @@ from scriptserve.training import data
 from scriptserve.training.checkpoint import load_checkpoint
 from scriptserve.training.export import (
     ONNX_ATOL,
+    PT2_ATOL,
     TORCHSCRIPT_ATOL,
     ExportError,
     export_onnx,
     export_traced,
     run_onnx,
+    run_pt2,
     run_torchscript,
 )
 from scriptserve.training.models import Net
@@ -40,10 +42,14 @@ def test_inputs() -> tuple[np.ndarray, np.ndarray]:
     return split.images.numpy(), split.labels.numpy()
 
 
+RUNNERS = {"pt2": run_pt2, "torchscript": run_torchscript, "traced": run_torchscript,
+           "onnx": run_onnx}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("fmt", "archive", "atol"),
-    [("torchscript", "digits.mar", TORCHSCRIPT_ATOL), ("traced", "digits-traced.mar",
-     TORCHSCRIPT_ATOL), ("onnx", "digits-onnx.mar", ONNX_ATOL)],
+    [("pt2", "digits.mar", PT2_ATOL), ("torchscript", "digits-torchscript.mar", TORCHSCRIPT_ATOL),
+     ("traced", "digits-traced.mar", TORCHSCRIPT_ATOL), ("onnx", "digits-onnx.mar", ONNX_ATOL)],
 )  # fmt: skip
 def test_exported_model_matches_eager(
     trained: Trained, test_inputs: tuple[np.ndarray, np.ndarray], fmt: str, archive: str,
@@ -55,7 +61,7 @@ def test_exported_model_matches_eager(
         want = eager(config)(torch.from_numpy(inputs)).numpy()
     with open_archive(config.out / archive) as reader:
         model_file = reader.path(reader.manifest.model.serialized_file or "")
-        run = run_onnx if fmt == "onnx" else run_torchscript
+        run = RUNNERS[fmt]
         for batch in (inputs[:1], inputs[:7], inputs):  # the batch axis is dynamic
             got = run(model_file, batch)
             np.testing.assert_allclose(got, want[: len(batch)], rtol=0, atol=atol)
@@ -68,7 +74,8 @@ def test_exported_model_matches_eager(
 def test_archives_verify_and_record_signature_samples_and_accuracy(trained: Trained) -> None:
     _, result = trained
     assert sorted(p.name for p in result.archives) == [
-        "digits-int8.mar", "digits-onnx.mar", "digits-traced.mar", "digits.mar"
+        "digits-int8.mar", "digits-onnx.mar", "digits-torchscript-int8.mar",
+        "digits-torchscript.mar", "digits-traced.mar", "digits.mar",
     ]  # fmt: skip
     for path in result.archives:
         report = verify_archive(path)
@@ -119,19 +126,30 @@ def test_onnx_check_needs_another_batch_size(tmp_path: Path) -> None:
         export_onnx(Net().eval(), tmp_path / "m.onnx", example, torch.zeros(4, 1, 32, 32))
 
 
+@pytest.mark.parametrize(
+    ("archive", "kernels"),
+    [("digits-int8.mar", {"aoti_torch_cpu__qlinear_pointwise_tensor": 3}),
+     ("digits-torchscript-int8.mar", {"quantized::linear_dynamic": 3})],
+)  # fmt: skip
 def test_int8_agrees_with_eager_and_records_its_guard(
-    trained: Trained, test_inputs: tuple[np.ndarray, np.ndarray]
+    trained: Trained,
+    test_inputs: tuple[np.ndarray, np.ndarray],
+    archive: str,
+    kernels: dict[str, int],
 ) -> None:
+    """Both int8 archives convert the net's three Linear layers; the `.pt2` one runs them as
+    oneDNN's fused int8 kernels."""
     config, result = trained
     inputs, labels = test_inputs
     with torch.no_grad():
         want = eager(config)(torch.from_numpy(inputs)).numpy()
-    with open_archive(config.out / "digits-int8.mar") as reader:
+    with open_archive(config.out / archive) as reader:
         info = reader.manifest.scriptserve
         assert info is not None
-        got = run_torchscript(reader.path(reader.manifest.model.serialized_file or ""), inputs)
+        run = run_pt2 if reader.manifest.model_format == "pt2" else run_torchscript
+        got = run(reader.path(reader.manifest.model.serialized_file or ""), inputs)
     assert info.quantization.mode == "dynamic-int8"
-    assert info.quantization.details["quantizedOps"] == {"quantized::linear_dynamic": 3}
+    assert info.quantization.details["quantizedOps"] == kernels
     assert info.quantization.details["validation"]["samples"] == 270  # the test split
     agreement = float((got.argmax(1) == want.argmax(1)).mean())
     assert agreement >= 0.98  # the int8 tolerance documented in training/export.py

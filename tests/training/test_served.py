@@ -1,4 +1,5 @@
-"""The trained archives served by `scriptserve serve`: PNGs over /predictions, tensors over OIP."""
+"""The trained archives served by `scriptserve serve`: the `.pt2` archive (digits.mar) and the
+ONNX one, PNGs over /predictions, tensors over OIP REST and OIP gRPC (tritonclient)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton
 from PIL import Image
 from serving import ServerProcess
 
@@ -89,6 +91,32 @@ def test_oip_tensors_reach_the_recorded_accuracy(trained: Trained, server: Serve
             predicted += np.asarray(out["data"]).reshape(len(chunk), 10).argmax(1).tolist()
     accuracy = float(np.mean(np.asarray(predicted) == test.labels.numpy()))
     assert accuracy == pytest.approx(recorded_accuracy(trained[0], "digits.mar"), abs=1e-9)
+
+
+def test_oip_grpc_tensors_reach_the_recorded_accuracy(
+    trained: Trained, server: ServerProcess
+) -> None:
+    test = data.load_splits(0).test
+    inputs = test.images.numpy()
+    client = triton.InferenceServerClient(server.grpc)
+    predicted: list[int] = []
+    for start in range(0, len(inputs), 90):
+        chunk = inputs[start : start + 90]
+        tensor = triton.InferInput("x", list(chunk.shape), "FP32")
+        tensor.set_data_from_numpy(chunk)
+        answer = client.infer("digits", [tensor])
+        logits = answer.as_numpy("output0")
+        assert logits is not None and logits.shape == (len(chunk), 10)
+        predicted += logits.argmax(1).tolist()
+    client.close()
+    accuracy = float(np.mean(np.asarray(predicted) == test.labels.numpy()))
+    assert accuracy == pytest.approx(recorded_accuracy(trained[0], "digits.mar"), abs=1e-9)
+
+
+def test_the_served_digits_archive_is_a_pt2_package(trained: Trained) -> None:
+    with open_archive(trained[0].out / "digits.mar") as reader:
+        assert reader.manifest.model_format == "pt2"
+        assert reader.manifest.model.serialized_file == "model.pt2"
 
 
 def test_shipped_seven_png_raw_and_multipart(server: ServerProcess) -> None:

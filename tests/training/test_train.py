@@ -184,6 +184,6 @@ def test_scriptserve_train_runs_the_training_cli(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(tmp_path / "tiny-digits.mar")
+    assert proc.stdout.strip() == str(tmp_path / "tiny-digits-torchscript.mar")
     assert "epoch 1/1" in proc.stderr
     assert (tmp_path / "tiny-digits-training" / "metrics.json").is_file()
