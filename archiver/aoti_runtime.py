@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,10 +135,32 @@ class _Output:
         self._delete(self._handle)
 
 
+_libtorch: ctypes.CDLL | None = None
+
+
+def load_libtorch() -> None:
+    """Make libtorch's C shim, which compiled models link against, resolvable, without
+    `import torch` (about 1.1 s of a server's start): libtorch_cpu from the installed torch,
+    loaded with RTLD_GLOBAL. Once torch is imported it is loaded already; importing torch
+    later finds the same library."""
+    global _libtorch  # noqa: PLW0603 - one load per process
+    if _libtorch is not None or "torch" in sys.modules:
+        return
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise AotiError("torch is not installed: compiled models need its libtorch")
+    library = Path(spec.origin).parent / "lib" / "libtorch_cpu.so"
+    try:
+        _libtorch = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise AotiError(f"libtorch does not load: {exc}") from None
+
+
 class AotiLibrary:
     """A package's compiled model, loaded with ctypes.CDLL."""
 
     def __init__(self, so: Path) -> None:
+        load_libtorch()
         try:
             self._lib = ctypes.CDLL(str(so))
         except OSError as exc:

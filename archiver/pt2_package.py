@@ -15,9 +15,11 @@ C++ it was built from (`<hash>.wrapper.cpp`) and `<hash>_metadata.json`, whose
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import shutil
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -193,10 +195,47 @@ def portable_march(vec_isa: str) -> str | None:
     return None
 
 
+# /proc/cpuinfo flag -> torch.cpu.get_capabilities() name, where they differ (AVX-512 flags
+# gain an underscore after "avx512": avx512f -> avx512_f).
+_CPUINFO_NAMES = {"pni": "sse3", "fma": "fma3", "abm": "lzcnt", "bmi1": "bmi", "sha_ni": "sha"}
+
+
+def _cpuinfo_flags() -> tuple[str, ...] | None:
+    """This CPU's features from /proc/cpuinfo, named as torch names them; None without it."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((x for x in text.splitlines() if x.startswith("flags")), None)
+    if line is None:
+        return None
+    names = []
+    for flag in line.partition(":")[2].split():
+        name = _CPUINFO_NAMES.get(flag, flag)
+        if name.startswith("avx512") and not name.startswith("avx512_"):
+            name = "avx512_" + name.removeprefix("avx512")
+        names.append(name)
+    return tuple(names)
+
+
 def _this_cpu() -> tuple[str, ...]:
+    """This CPU's features (torch.cpu.get_capabilities() names). Read from /proc/cpuinfo
+    while torch is not imported: a server of `.pt2` models on CPU never imports it."""
+    if "torch" not in sys.modules:
+        flags = _cpuinfo_flags()
+        if flags is not None:
+            return flags
     import torch
 
     return tuple(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+
+
+def torch_version() -> str:
+    """The installed torch's version, without importing it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    return importlib.metadata.version("torch")
 
 
 def package_target(package: Pt2Package) -> Pt2Target:
@@ -229,13 +268,12 @@ def _release(version: str) -> str:
 
 def compatibility_problem(info: Pt2Info, device: str) -> str | None:
     """Why this machine cannot run the package `info` describes on `device`, or None."""
-    import torch
-
     rebuild = "rebuild the archive with model-archiver on a machine like this one"
-    if _release(info.torch_version) != _release(torch.__version__):
+    installed = torch_version()
+    if _release(info.torch_version) != _release(installed):
         return (
             f"the .pt2 package was compiled with torch {info.torch_version} and this server runs "
-            f"torch {torch.__version__}; compiled packages run only on the torch release that "
+            f"torch {installed}; compiled packages run only on the torch release that "
             f"made them: {rebuild}"
         )
     kind, _, index = device.partition(":")
@@ -248,6 +286,8 @@ def compatibility_problem(info: Pt2Info, device: str) -> str | None:
             f"archive for {kind}"
         )
     if kind == "cuda":
+        import torch
+
         if not torch.cuda.is_available():
             return f"device {device} requested but CUDA is not available"
         major, minor = torch.cuda.get_device_capability(int(index or 0))
@@ -258,8 +298,8 @@ def compatibility_problem(info: Pt2Info, device: str) -> str | None:
                 f"{device} is {arch}: {rebuild}"
             )
         return None
-    capabilities = torch.cpu.get_capabilities()
-    missing = [f for f in target.cpu_flags if capabilities.get(f) is not True]
+    capabilities = set(_this_cpu())
+    missing = [f for f in target.cpu_flags if f not in capabilities]
     if missing:
         built_for = " ".join(filter(None, (target.isa, target.march and f"-march={target.march}")))
         return (

@@ -101,11 +101,11 @@ def handler_class(
     TorchServe handlers (its built-in names in archives made by torch-model-archiver, a
     `handle(data, context)` function, a class with `handle`) come wrapped in a TorchServeHandler.
     """
-    ts_builtin = torchserve_entry.builtin_handler(handler)
-    if ts_builtin is not None and (
-        handler not in BUILTIN_HANDLERS or torchserve_entry.made_by_torchserve(manifest)
-    ):
-        return ts_builtin
+    # Looked up only where it may be used: TorchServe's handler modules import torch.
+    if handler not in BUILTIN_HANDLERS or torchserve_entry.made_by_torchserve(manifest):
+        ts_builtin = torchserve_entry.builtin_handler(handler)
+        if ts_builtin is not None:
+            return ts_builtin
     if handler in BUILTIN_HANDLERS:
         module_name, _, attr = BUILTIN_HANDLERS[handler].partition(":")
         cls: type[BaseHandler] = getattr(importlib.import_module(module_name), attr)

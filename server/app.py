@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import signal
 import socket
@@ -70,8 +71,22 @@ class _Server(uvicorn.Server):
             listener.close()
 
 
+def _torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, without importing it (about 1.1 s of the
+    start; a server of `.pt2` or ONNX models on CPU never needs it): its lib/ holds
+    libtorch_cuda.so."""
+    if "torch" in sys.modules:
+        return True  # imported already: ask it
+    spec = importlib.util.find_spec("torch")
+    return (
+        spec is None
+        or spec.origin is None
+        or (Path(spec.origin).parent / "lib" / "libtorch_cuda.so").exists()
+    )
+
+
 def available_devices(settings: ServerSettings) -> list[str]:
-    if settings.device == "cpu":
+    if settings.device == "cpu" or (settings.device == "auto" and not _torch_has_cuda()):
         return ["cpu"]
     import torch
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
 import threading
 import weakref
@@ -35,14 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from scriptserve.archiver.aoti_runtime import AotiError, AotiLibrary
-from scriptserve.archiver.manifest import Manifest
-from scriptserve.archiver.pt2_package import Pt2PackageError, compatibility_problem, read_package
+from scriptserve.archiver.manifest import Manifest, Pt2Info
+from scriptserve.archiver.pt2_package import (
+    Pt2Package,
+    Pt2PackageError,
+    compatibility_problem,
+    read_package,
+)
 from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
 from scriptserve.handlers.backends import BackendError, parse_device
-from scriptserve.handlers.backends.torchscript import configure_threads
 
 log = logging.getLogger("scriptserve.handlers.pt2")
 
@@ -93,6 +97,35 @@ def _free(library: AotiLibrary, containers: list[_Container], workdir: Path) -> 
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _servable(path: Path, device: str, manifest: Manifest | None) -> tuple[Pt2Package, Pt2Info]:
+    """The package at `path` and its build record, or BackendError saying why this machine
+    cannot serve it and what to do."""
+    info = manifest.scriptserve.pt2 if manifest and manifest.scriptserve else None
+    if manifest is None or info is None or not manifest.signature.inputs:
+        raise BackendError(
+            "the archive records no .pt2 build information (torch version, target, "
+            "signature); rebuild it with model-archiver"
+        )
+    problem = compatibility_problem(info, device)
+    if problem is not None:
+        raise BackendError(problem)
+    try:
+        package = read_package(path)
+    except Pt2PackageError as exc:
+        raise BackendError(str(exc)) from None
+    if package.device != info.target.device:
+        raise BackendError(
+            f"the archive records a .pt2 package for {info.target.device} and the package "
+            f"is compiled for {package.device}; rebuild the archive with model-archiver"
+        )
+    if package.uses_proxy_executor():
+        raise BackendError(
+            "the .pt2 model calls operators through a proxy executor, which this backend "
+            "does not provide; export it without custom operators"
+        )
+    return package, info
+
+
 class Pt2Backend:
     def __init__(
         self,
@@ -103,38 +136,23 @@ class Pt2Backend:
         workers: int = 1,
     ) -> None:
         kind, index = parse_device(device)
-        info = manifest.scriptserve.pt2 if manifest and manifest.scriptserve else None
-        if manifest is None or info is None or not manifest.signature.inputs:
-            raise BackendError(
-                "the archive records no .pt2 build information (torch version, target, "
-                "signature); rebuild it with model-archiver"
-            )
-        problem = compatibility_problem(info, device)
-        if problem is not None:
-            raise BackendError(problem)
-        try:
-            package = read_package(path)
-        except Pt2PackageError as exc:
-            raise BackendError(str(exc)) from None
-        if package.device != info.target.device:
-            raise BackendError(
-                f"the archive records a .pt2 package for {info.target.device} and the package "
-                f"is compiled for {package.device}; rebuild the archive with model-archiver"
-            )
-        if package.uses_proxy_executor():
-            raise BackendError(
-                "the .pt2 model calls operators through a proxy executor, which this backend "
-                "does not provide; export it without custom operators"
-            )
+        package, info = _servable(path, device, manifest)
+        assert manifest is not None  # _servable refuses an archive without one
         self.device = device
         self._file = path.name
         self.max_batch = info.max_batch
         """The most rows one call may carry (the exported batch bound); None: no bound."""
-        self._torch_device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+        self._cuda = kind == "cuda"
+        if self._cuda:  # on CPU, torch is never imported: the C ABI needs only libtorch
+            import torch
+
+            from scriptserve.handlers.backends.torchscript import configure_threads
+
+            self._torch_device = torch.device(kind, index)
+            configure_threads(intra_op_threads)
         self._threads = intra_op_threads
         self._signature = manifest.signature
         self._dtypes = [numpy_dtype(t.datatype) for t in self._signature.inputs]
-        configure_threads(intra_op_threads)
         self._workdir = Path(tempfile.mkdtemp(prefix="scriptserve-pt2-"))
         self._containers: list[_Container] = []
         try:
@@ -180,7 +198,7 @@ class Pt2Backend:
 
     # -- containers -------------------------------------------------------------------------
     def _create(self, models: int) -> _Container:
-        cuda = self._torch_device.type == "cuda"
+        cuda = self._cuda
         handle = self._library.create(
             models, str(self._torch_device) if cuda else "cpu", self._workdir if cuda else None
         )
@@ -218,8 +236,10 @@ class Pt2Backend:
         """On a thread's first call: its OpenMP threads, and its place among the callers."""
         if getattr(self._local, "token", None) is not None:
             return
-        # torch's own lazy per-thread OpenMP set-up runs first, so that it cannot undo ours.
-        torch.get_num_threads()
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            # torch's own lazy per-thread OpenMP set-up runs first, so that it cannot undo ours.
+            torch.get_num_threads()
         self._library.set_omp_threads(self._threads)
         self._local.token = self._callers.join()
         if self._callers.count > self.models:
@@ -265,7 +285,7 @@ class Pt2Backend:
             container = self._containers[-1]
             container.calls += 1
         try:
-            if self._torch_device.type == "cuda":
+            if self._cuda:
                 outputs = self._run_cuda(container, arrays)
             else:
                 outputs = self._library.run_arrays(container.handle, arrays, len(self.output_names))
@@ -279,6 +299,8 @@ class Pt2Backend:
         return dict(zip(self.output_names, outputs, strict=True))
 
     def _run_cuda(self, container: _Container, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        import torch
+
         device = self._torch_device
         tensors = [torch.from_numpy(a).pin_memory().to(device, non_blocking=True) for a in arrays]
         stream = torch.cuda.current_stream(device).cuda_stream

@@ -345,6 +345,18 @@ def test_the_recorded_build_matches_this_machine(tiny: Opened) -> None:
     assert info.compile_options["noGrad"] is True
 
 
+def test_cpu_features_read_without_torch_are_the_ones_torch_reports() -> None:
+    """A server of CPU `.pt2` models checks the CPU's features without importing torch, from
+    /proc/cpuinfo: the names and answers must be torch's for every feature torch knows."""
+    from scriptserve.archiver.pt2_package import _cpuinfo_flags
+
+    from_cpuinfo = _cpuinfo_flags()
+    assert from_cpuinfo is not None
+    known = {k: v for k, v in torch.cpu.get_capabilities().items() if isinstance(v, bool)}
+    assert len(known) > 40
+    assert {k for k, v in known.items() if v} == {k for k in known if k in set(from_cpuinfo)}
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_a_cpu_package_is_refused_on_cuda_and_runs_on_cpu_beside_it(tiny: Opened) -> None:

@@ -112,6 +112,18 @@ def output(response: httpx.Response, name: str) -> np.ndarray:
     return np.asarray(tensor["data"], np.float32).reshape(tensor["shape"])
 
 
+def test_serving_pt2_models_on_cpu_never_imports_torch(server: ServerProcess) -> None:
+    """`import torch` is most of a server's start; the C ABI needs only libtorch, which the
+    server maps without it (libtorch_python comes only with `import torch`)."""
+    r = infer(server, "tiny_pt2", x=rows(2))
+    assert r.status_code == 200, r.text
+    assert server.proc is not None
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+
+    assert "libtorch_cpu.so" in maps
+    assert "libtorch_python.so" not in maps
+
+
 @pytest.mark.parametrize("model", ["tiny_pt2", "tiny_pt2_process"])
 def test_thread_and_process_workers_answer_like_eager(server: ServerProcess, model: str) -> None:
     x = rows(3, seed=11)
