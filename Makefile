@@ -15,9 +15,11 @@ PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constra
 install-serve:
 	$(PIP_INSTALL) -e '.[train]'
 
-# Everything, test and lint tools included (the `dev` extra): `make test`, `make lint`.
+# Everything, test and lint tools included (the `dev` extra): `make test`, `make lint`. kserve
+# (its REST client, for the KServe v1 test) without its dependencies: see pyproject's dev extra.
 install:
 	$(PIP_INSTALL) -e '.[dev]'
+	$(PIP_INSTALL) --no-deps kserve
 
 # Build the demo archive and train the digits classifier into model_store/ (the training only
 # when model_store/ has no digits archive), run one prediction in-process, then serve them all.
@@ -78,3 +80,4 @@ bench: install
 	$(PYTHON) benchmarks/handler_threads.py
 	$(PYTHON) -m benchmarks.http_load
 	$(PYTHON) -m benchmarks.grpc_load
+	$(PYTHON) -m benchmarks.pt2

@@ -71,7 +71,7 @@ _MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
 }
 
 
-def build(name: str, workdir: Path, store: Path) -> BenchModel:
+def build(name: str, workdir: Path, store: Path, version: str = "1.0") -> BenchModel:
     """Script `name` with seed 0, write a one-row JSON body, archive both into `store`."""
     cls, row_shape = _MODELS[name]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +87,7 @@ def build(name: str, workdir: Path, store: Path) -> BenchModel:
     body.write_text(json.dumps(np.round(row, 4).tolist()))
     with contextlib.redirect_stdout(io.StringIO()):  # it prints the archive's path
         model_archiver_main([
-            "--model-name", name, "--version", "1.0", "--serialized-file", str(scripted),
+            "--model-name", name, "--version", version, "--serialized-file", str(scripted),
             "--handler", "tensor", "--sample-input", str(body), "--export-path", str(store), "-f",
         ])  # fmt: skip
     return BenchModel(name, scripted, store / f"{name}.mar", body, row_shape)

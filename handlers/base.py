@@ -13,16 +13,20 @@ A handler turns a batch of protocol-neutral `InferenceRequest`s into one `Infere
 `handle` runs preprocess -> inference -> postprocess and checks that postprocess returned one
 result per request. A handler that cannot batch sets `supports_batching = False`. A handler that
 keeps no per-batch state on `self` sets `thread_safe = True`: the workers on one device then share
-one instance, and one copy of the model's weights.
+one instance, and one copy of the model's weights. A handler that can explain its predictions
+sets `explains = True`: a request that asks for an explanation (KServe v1's `:explain`) carries
+the header `explain: True`, as TorchServe's explanation requests do.
 
 Workers never call `handle` directly: `run_batch` does, and turns whatever goes wrong into
-failed responses, so that every kind of worker reports a failure the same way.
+failed responses, so that every kind of worker reports a failure the same way. It also times
+preprocess and postprocess when the handler keeps BaseHandler's `handle` (`StageTimes`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -98,6 +102,16 @@ class InferenceResponse:
 
 
 @dataclass
+class StageTimes:
+    """Seconds one batch spent preparing the model's inputs and extracting its outputs (Triton's
+    compute_input and compute_output); the rest of the batch's run is the model's. A handler that
+    overrides `handle` has no stages to time: all of its time counts as the model's."""
+
+    input_s: float = 0.0
+    output_s: float = 0.0
+
+
+@dataclass
 class Context:
     """What a handler knows about the model it serves and where it runs."""
 
@@ -134,6 +148,7 @@ class BaseHandler:
 
     supports_batching: ClassVar[bool] = True
     thread_safe: ClassVar[bool] = False
+    explains: ClassVar[bool] = False
 
     @classmethod
     def request_signature(cls, signature: Signature) -> Signature | None:
@@ -174,7 +189,22 @@ class BaseHandler:
     def handle(self, requests: list[InferenceRequest], context: Context) -> list[InferenceResponse]:
         """Run one batch; always returns exactly one response per request. `self.context` is the
         one `initialize` set: the instance may be shared by several worker threads."""
-        results = self.postprocess(self.inference(self.preprocess(requests)))
+        return self._handle_stages(requests, None)
+
+    def _handle_stages(
+        self, requests: list[InferenceRequest], times: StageTimes | None
+    ) -> list[InferenceResponse]:
+        if times is None:
+            results = self.postprocess(self.inference(self.preprocess(requests)))
+        else:
+            started = time.perf_counter()
+            batch = self.preprocess(requests)
+            prepared = time.perf_counter()
+            outputs = self.inference(batch)
+            ran = time.perf_counter()
+            results = self.postprocess(outputs)
+            times.input_s += prepared - started
+            times.output_s += time.perf_counter() - ran
         if not isinstance(results, list) or len(results) != len(requests):
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise HandlerError(
@@ -185,9 +215,13 @@ class BaseHandler:
 
 
 def run_batch(
-    handler: BaseHandler, requests: list[InferenceRequest], context: Context
+    handler: BaseHandler,
+    requests: list[InferenceRequest],
+    context: Context,
+    times: StageTimes | None = None,
 ) -> list[InferenceResponse]:
     """Run one batch through `handler.handle`: one InferenceResponse per request, always.
+    With `times`, the batch's preprocess and postprocess are timed into it.
 
     A HandlerError fails the batch with its own message and status (handler authors write those
     for clients), a BackendError with its message. Any other exception is a bug in the handler:
@@ -199,7 +233,10 @@ def run_batch(
         # 'the handler failed: ValueError (request id abc-1); see the server log'
     """
     try:
-        results = handler.handle(requests, context)
+        if times is not None and type(handler).handle is BaseHandler.handle:
+            results = handler._handle_stages(requests, times)
+        else:
+            results = handler.handle(requests, context)
     except HandlerError as exc:
         return [InferenceResponse.failed(exc.message, exc.status) for _ in requests]
     except BackendError as exc:

@@ -28,11 +28,14 @@ from scriptserve.server.grpc.server import GrpcServers
 from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, find_archives
+from scriptserve.server.repository import ModelRepository
 from scriptserve.server.rest.connections import ConnectionLimits, HttpConnections
 from scriptserve.server.rest.guard import guarded
 from scriptserve.server.rest.inference import create_inference_app
+from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_routes
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
+from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
 from scriptserve.server.security import resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
 
@@ -167,17 +170,23 @@ async def serve(settings: ServerSettings) -> int:
     management = Management(registry, dataplane, settings)
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
-    probes = ("/ping", "/v2/health/live", "/v2/health/ready")
+    probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
+    inference_app = create_inference_app(dataplane, settings)
+    add_kserve_v1_routes(inference_app, dataplane)
+    repository = ModelRepository(management)
+    add_repository_routes(inference_app, repository)
     apps: list[tuple[str, FastAPI, str]] = [
         (
             "inference",
             guarded(
-                create_inference_app(dataplane, settings),
+                inference_app,
                 keys,
                 "inference",
                 limit,
                 *probes,
                 metrics=metrics,
+                # Triton's repository extension loads and unloads models: the management key.
+                management_paths=(REPOSITORY_PREFIX,),
             ),
             settings.inference_address,
         ),
@@ -226,7 +235,7 @@ async def serve(settings: ServerSettings) -> int:
     for (what, _, _), sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("%s API listening on http://%s:%d", what, host, port)
-    grpc_servers = GrpcServers(dataplane, management, settings, keys)
+    grpc_servers = GrpcServers(dataplane, management, settings, keys, repository)
     try:
         grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)
     except RuntimeError as exc:

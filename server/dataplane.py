@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,15 +27,25 @@ from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.codec.tensors import check_signature, select_outputs
 from scriptserve.server.description import ModelMetadata, quantization_parameters
-from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ModelNotReady, ServingError
+from scriptserve.server.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    MethodNotAllowed,
+    ModelNotReady,
+    ServingError,
+    error_for_status,
+)
 from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.model_configuration import model_configuration
 from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.dataplane")
 
 SERVER_NAME = "scriptserve"
-EXTENSIONS = ("binary_tensor_data",)
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
+"""The Open Inference Protocol extensions the server implements (Triton's names), on REST and
+gRPC alike."""
 UNKNOWN_LABEL = "_unknown"
 """Metric label of a model or version the registry does not hold (no model name starts with _)."""
 CLIENT_CLOSED = 499
@@ -60,22 +70,28 @@ class Served:
 
 Request = InferenceRequest | Callable[[], InferenceRequest]
 """A request, or the function that decodes it from the wire (it raises InvalidInput)."""
+T = TypeVar("T")
+
+
+def _decode(mv: ModelVersion, decode: Callable[[], T]) -> T:
+    """Decode what the client sent, once the model is known to serve: whatever cannot be decoded
+    is the client's error (400), never the server's."""
+    try:
+        return decode()
+    except ServingError:
+        raise
+    except Exception as exc:
+        log.debug("model=%s a request could not be decoded: %r", mv.name, exc)
+        raise InvalidInput(
+            f"the request could not be decoded ({type(exc).__name__}); check it against "
+            f"the model's metadata (GET /v2/models/{mv.name})"
+        ) from None
 
 
 def _decoded(mv: ModelVersion, request: Request) -> InferenceRequest:
-    """The request as the model's worker will see it, checked before it is queued: whatever the
-    client sent that cannot be decoded is its error (400), never the server's."""
+    """The request as the model's worker will see it, checked before it is queued."""
     if not isinstance(request, InferenceRequest):
-        try:
-            request = request()
-        except ServingError:
-            raise
-        except Exception as exc:
-            log.debug("model=%s a request could not be decoded: %r", mv.name, exc)
-            raise InvalidInput(
-                f"the request could not be decoded ({type(exc).__name__}); check it against "
-                f"the model's metadata (GET /v2/models/{mv.name})"
-            ) from None
+        request = _decode(mv, request)
     if mv.request_signature is not None and request.outputs is not None:
         check_signature(mv.name, mv.request_signature, request.inputs)
     return request
@@ -130,6 +146,10 @@ class DataPlane:
     def model_ready(self, name: str, version: str | None = None) -> bool:
         return not self.draining and self.registry.get(name, version).ready
 
+    def model_names(self) -> list[str]:
+        """Every registered model, ready or not (KServe v1's model list)."""
+        return self.registry.names()
+
     def server_metadata(self) -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
@@ -146,6 +166,27 @@ class DataPlane:
             outputs=signature.outputs,
             parameters=quantization_parameters(mv),
         )
+
+    def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Triton's model configuration of a version, as JSON (`server/model_configuration.py`)."""
+        meta = self.model_metadata(name, version)
+        mv = self.registry.get(name, version)
+        parameters = {"worker_mode": mv.settings.worker_mode, **meta.parameters}
+        return model_configuration(mv, meta.platform, parameters)
+
+    def statistics(self, name: str | None = None, version: str | None = None) -> list[Any]:
+        """Triton's statistics (`server/statistics.py`) of every loaded version, of every
+        version of model `name`, or of one version."""
+        if name is None:
+            versions = [mv for mv in self.registry.all_versions() if isinstance(mv, ModelVersion)]
+        elif version is None:
+            versions = [mv for mv in self.registry.versions(name) if isinstance(mv, ModelVersion)]
+            if not versions:
+                self.registry.get(name)  # says why the model has none (it failed to load)
+        else:
+            versions = [self.registry.get(name, version)]
+        versions.sort(key=lambda mv: (mv.name, mv.version))
+        return [self.metrics.statistics_of(mv.name, mv.version).snapshot() for mv in versions]
 
     # -- inference ---------------------------------------------------------------------------
     async def infer(
@@ -241,6 +282,74 @@ class DataPlane:
         job.future.add_done_callback(finished)
         outcome.add_done_callback(withdrawn)
         return outcome
+
+    async def infer_many(
+        self,
+        name: str,
+        version: str | None,
+        decode: Callable[[], Sequence[InferenceRequest]],
+        *,
+        protocol: str,
+        timeout_s: float | None = None,
+        item: str = "item",
+        explain: bool = False,
+    ) -> list[Served]:
+        """Several requests to one model version, resolved once (KServe v1's instances):
+        decoded once the model is known to serve, queued together so that they batch, answered
+        in order. The first failure answers the call, a 4xx one naming its `item` ("instance 2:
+        ..."), and withdraws the others. `explain` asks the handler for explanations: a model
+        whose handler has none answers 501. Raises ServingError."""
+        started = time.perf_counter()
+        status = 500
+        mv: ModelVersion | None = None
+        queued: list[tuple[Job, asyncio.TimerHandle]] = []
+        try:
+            mv = self._serving(name, version)
+            if explain and not mv.explains:
+                raise MethodNotAllowed(
+                    f"model {name!r} has no explanations (its handler does not implement "
+                    "them); ask for predictions instead",
+                    status=501,
+                )
+            requests = [_decoded(mv, request) for request in _decode(mv, decode)]
+            if len(requests) > mv.settings.queue_size:
+                raise InvalidInput(
+                    f"{len(requests)} {item}s are more than model {name!r} queues "
+                    f"({mv.settings.queue_size}); send at most that many per request"
+                )
+            for request in requests:
+                queued.append(self._enqueue(mv, request, timeout_s))
+            self._enter(mv)
+            try:
+                futures = [job.future for job, _ in queued]
+                await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                self._leave(mv)
+            for i, future in enumerate(futures):
+                error = future.exception() if future.done() else None
+                if isinstance(error, ServingError) and 400 <= error.status < 500:
+                    raise error_for_status(error.status, f"{item} {i}: {error.message}")
+                if error is not None:
+                    raise error
+            served = [_served(mv, job.future.result(), job.request.outputs) for job, _ in queued]
+            status = 200
+            return served
+        except ServingError as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            elapsed = time.perf_counter() - started
+            expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
+            status = DeadlineExceeded.status if expired else CLIENT_CLOSED
+            raise
+        finally:
+            for job, timer in queued:
+                timer.cancel()
+                if not job.future.done() and mv is not None:
+                    mv.batcher.cancel(job)  # withdrawn: free the slot, leave the worker be
+                    job.future.cancel()
+            labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
+            self.metrics.observe_request(*labels, protocol, status, time.perf_counter() - started)
 
     def _unknown(self, name: str) -> tuple[str, str]:
         # Clients choose these names: a typo must not mint a new time series.

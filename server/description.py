@@ -66,6 +66,7 @@ def describe_version(mv: RegisteredVersion, is_default: bool, inflight: int) -> 
         "deviceType": s.device_type if s else None,
         "workerMode": s.worker_mode if s else None,
         "deviceIds": list(s.device_ids) if s and s.device_ids is not None else None,
+        "warmupRuns": s.warmup_runs if s else None,
         "loadedAtStartup": mv.loaded_at_startup,
         "workers": mv.pool.describe() if mv.pool else [],
         "jobQueueStatus": {

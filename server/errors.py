@@ -42,6 +42,12 @@ class ModelNotFound(ServingError):
     status = 404
 
 
+class RouteNotFound(ServingError):
+    """No HTTP route, or no gRPC method, has this name."""
+
+    status = 404
+
+
 class MethodNotAllowed(ServingError):
     status = 405
 

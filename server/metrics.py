@@ -3,11 +3,13 @@
 Each server has its own `CollectorRegistry` (no process-global state), scraped on the metrics
 port. Hot-path code holds pre-bound label children (`VersionMetrics`) so an observation is one
 lock and an add. Queue depth and worker states are read from the model registry at scrape time.
+Every observation of a model version also goes into its Triton statistics
+(`server/statistics.py`), which the statistics extension answers with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scriptserve.handlers.base import InferenceRequest, StageTimes
+from scriptserve.server.statistics import VersionStatistics
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     120.0,
 )  # fmt: skip
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COMPUTE_STAGES = ("input", "infer", "output")
 
 
 @dataclass(frozen=True)
@@ -57,15 +63,45 @@ class _LiveCollector(Collector):
         yield from (depth, workers, models)
 
 
+def _rows(request: InferenceRequest) -> int:
+    """The batch dimension a request adds to its batch (1 without tensors)."""
+    for array in request.inputs.values():
+        return int(array.shape[0]) if array.ndim else 1
+    return 1
+
+
 class VersionMetrics:
     """Label-bound metric children for one model version (used from worker threads)."""
 
     def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
         self.queue_latency = metrics.queue_latency.labels(model, version)
         self.inference_latency = metrics.inference_latency.labels(model, version)
+        self.compute = tuple(
+            metrics.compute_latency.labels(model, version, stage) for stage in COMPUTE_STAGES
+        )
         self.batch_size = metrics.batch_size.labels(model, version)
         self.worker_restarts = metrics.worker_restarts.labels(model, version)
         self.workers_stuck = metrics.workers_stuck.labels(model, version)
+        self.statistics = metrics.statistics_of(model, version)
+
+    def observe_taken(self, waits: Sequence[float]) -> None:
+        """A worker took a batch whose requests waited `waits` seconds each in the queue."""
+        for seconds in waits:
+            self.queue_latency.observe(seconds)
+        self.batch_size.observe(len(waits))
+        self.statistics.taken(waits)
+
+    def observe_batch(
+        self, requests: Sequence[InferenceRequest], seconds: float, times: StageTimes
+    ) -> None:
+        """A worker ran a batch in `seconds`, of which `times` says the input and output
+        stages' share; the rest is the model's."""
+        self.inference_latency.observe(seconds)
+        stages = (times.input_s, max(0.0, seconds - times.input_s - times.output_s), times.output_s)
+        for child, stage_s in zip(self.compute, stages, strict=True):
+            child.observe(stage_s)
+        rows = sum(_rows(request) for request in requests)
+        self.statistics.ran(len(requests), rows, *stages)
 
 
 class ServerMetrics:
@@ -87,13 +123,22 @@ class ServerMetrics:
             "scriptserve_inference_latency_seconds", "Handler time per batch",
             ["model", "version"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.compute_latency = Histogram(
+            "scriptserve_compute_seconds",
+            "Handler time per batch by stage: input (preprocess), infer (the model), output "
+            "(postprocess)",
+            ["model", "version", "stage"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.batch_size = Histogram(
             "scriptserve_batch_size", "Requests per batch run by a worker",
             ["model", "version"], buckets=_BATCH_BUCKETS, registry=self.registry,
         )  # fmt: skip
         # Label children of observe_request, looked up once: labels() costs a lock and a tuple.
         # Bounded: unknown model names are all labelled "_unknown".
-        self._request_children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
+        self._request_children: dict[
+            tuple[str, str, str, int], tuple[Any, Any, VersionStatistics | None]
+        ] = {}
+        self._statistics: dict[tuple[str, str], VersionStatistics] = {}
         self.worker_restarts = Counter(
             "scriptserve_worker_restarts", "Workers replaced after dying or hanging",
             ["model", "version"], registry=self.registry,
@@ -114,6 +159,18 @@ class ServerMetrics:
     def for_version(self, model: str, version: str) -> VersionMetrics:
         return VersionMetrics(self, model, version)
 
+    def statistics_of(self, model: str, version: str) -> VersionStatistics:
+        """The version's Triton statistics; kept across unload and reload, like its counters."""
+        key = (model, version)
+        stats = self._statistics.get(key)
+        if stats is None:
+            stats = self._statistics.setdefault(key, VersionStatistics(model, version))
+        return stats
+
+    def statistics(self, model: str, version: str) -> VersionStatistics | None:
+        """The version's statistics, or None if it never was loaded."""
+        return self._statistics.get((model, version))
+
     def observe_request(
         self, model: str, version: str, protocol: str, status: int, seconds: float
     ) -> None:
@@ -123,10 +180,13 @@ class ServerMetrics:
             children = (
                 self.requests.labels(model, version, protocol, str(status)),
                 self.request_latency.labels(model, version, protocol),
+                self._statistics.get((model, version)),  # None: not a version that loaded
             )
             self._request_children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        if children[2] is not None:
+            children[2].answered(status == 200, seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -133,6 +133,7 @@ class ModelLoader:
                     stop_grace_s=s.worker_stop_grace_s,
                 ),
                 max_abandoned=s.max_abandoned_threads,
+                warmup_runs=settings.warmup_runs,
             )
             pool.scale(settings.workers)
         except BaseException:
@@ -152,6 +153,7 @@ class ModelLoader:
             batcher=batcher,
             pool=pool,
             request_signature=cls.request_signature(manifest.signature),
+            explains=cls.explains,
             loaded_at_startup=startup,
         )
 

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from scriptserve.server.settings import ServerSettings
 
 
+WARMUP_RUNS = 2
+"""Default runs of the sample input per worker: TorchScript's profiling executor records the first
+call and optimises the graph on the second."""
+
+
 class ModelSettingsError(ValueError):
     """Model settings that cannot be used; the one-line message names each key at fault."""
 
@@ -66,6 +71,10 @@ class ModelSettings(BaseModel):
         default=None, validation_alias=_keys("device_ids", "deviceIds")
     )
     """The GPUs this model may use; None = every visible one."""
+    warmup_runs: int = Field(
+        default=WARMUP_RUNS, ge=0, validation_alias=_keys("warmup_runs", "warmupRuns")
+    )
+    """Times each worker runs the archive's sample input before the model reports ready."""
 
     @field_validator("device_type", mode="before")
     @classmethod
@@ -128,13 +137,15 @@ class ModelSettings(BaseModel):
         server's config) < `archive_config` (the archive's model-config file) < `overrides`
         (the registration's, by setting name; None = not given). Other keys of the configs are
         left to the handler, which reads its own. `gpus` counts the visible GPUs; a handler
-        that cannot batch (`batching=False`) gets batch size 1. Raises ModelSettingsError."""
+        that cannot batch (`batching=False`) gets batch size 1; a server with warm-up off
+        (`warmup=False`) gets no warm-up runs. Raises ModelSettingsError."""
         values: dict[str, Any] = {
             "batch_size": server.max_batch_size,
             "max_batch_delay_ms": server.max_batch_delay_ms,
             "response_timeout_s": server.response_timeout_s,
             "queue_size": server.queue_size,
             "worker_mode": server.worker_mode,
+            "warmup_runs": server.warmup_runs,
         }
         given: dict[str, str] = {}  # field -> the key that set it, as its source spelled it
         for config in (defaults or {}, archive_config):
@@ -151,6 +162,8 @@ class ModelSettings(BaseModel):
             devices_known = cls._validate({**values, "workers": 1}, given)
             values["workers"] = devices_known._default_workers(server, gpus)
         settings = cls._validate(values, given)
+        if not server.warmup:  # the server's off switch wins over every model's count
+            settings = settings.model_copy(update={"warmup_runs": 0})
         return settings if batching else settings.model_copy(update={"batch_size": 1})
 
     def _default_workers(self, server: ServerSettings, gpus: int) -> int:

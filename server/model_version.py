@@ -41,6 +41,8 @@ class ModelVersion:
     pool: AnyWorkerPool
     request_signature: Signature | None = None
     """What a tensor request must carry, checked before it is queued (None: the handler checks)."""
+    explains: bool = False
+    """Its handler answers explanation requests (KServe v1's `:explain`)."""
     loaded_at_startup: bool = False
     loaded_at: float = field(default_factory=time.time)
     unloading: bool = False

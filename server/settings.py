@@ -20,7 +20,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from scriptserve.server.model_settings import ModelSettings
+from scriptserve.server.model_settings import WARMUP_RUNS, ModelSettings
 
 __all__ = [
     "FlagAliases",
@@ -175,6 +175,13 @@ class ServerSettings(BaseSettings):
     """Default worker kind: `thread` (fastest, shared memory) or `process` (a child process per
     worker, fed through shared memory: a crash, OOM kill or hang takes down one worker, which
     is replaced). A model's config (`workerMode`) or its registration may choose otherwise."""
+    warmup: bool = True
+    """Have each worker run its archive's sample input before the model reports ready (every
+    model: `--no-warmup` turns warm-up off whatever a model's config says)."""
+    warmup_runs: int = Field(default=WARMUP_RUNS, ge=0)
+    """Times each worker runs the sample input, unless a model's config (`warmupRuns`) says
+    otherwise; 0 = none. Two, because TorchScript's profiling executor records the first call
+    and optimises the graph on the second."""
     worker_restart_backoff_s: float = Field(default=1.0, ge=0)
     """First delay before a dead process worker (or a stuck thread worker whose replacement could
     not load) is replaced again; it doubles on each failure in a row."""

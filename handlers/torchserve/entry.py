@@ -29,16 +29,29 @@ def made_by_torchserve(manifest: Manifest | None) -> bool:
     return manifest is not None and manifest.scriptserve is None
 
 
-def adapter_for(entry: EntryPoint, batching: bool = True) -> type[BaseHandler]:
+def adapter_for(
+    entry: EntryPoint, batching: bool = True, explains: bool = False
+) -> type[BaseHandler]:
     name = f"TorchServe[{entry.description}]"
-    attrs: dict[str, Any] = {"entry": entry, "supports_batching": batching}
+    attrs: dict[str, Any] = {"entry": entry, "supports_batching": batching, "explains": explains}
     return type(name, (TorchServeHandler,), attrs)
+
+
+def _explains(cls: type) -> bool:
+    """A handler class with an `explain_handle` of its own; the base handler's needs Captum,
+    which the compatibility layer does not provide."""
+    from scriptserve.handlers.torchserve.ts.torch_handler.base_handler import (
+        BaseHandler as TsBaseHandler,
+    )
+
+    explain_handle = getattr(cls, "explain_handle", None)
+    return callable(explain_handle) and explain_handle is not TsBaseHandler.explain_handle
 
 
 def _class_entry(cls: type, description: str) -> type[BaseHandler]:
     # TorchServe's own BaseHandler is abstract in name only; the built-in is usable as it is.
     batching = bool(getattr(cls, "supports_batching", True))
-    return adapter_for(EntryPoint(description, handler_class=cls), batching)
+    return adapter_for(EntryPoint(description, handler_class=cls), batching, _explains(cls))
 
 
 def builtin_handler(name: str) -> type[BaseHandler] | None:

@@ -40,7 +40,7 @@ def body_request(
     return InferenceRequest(body=body, content_type=content_type or None, headers=headers or {})
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
     """What orjson cannot write itself: non-contiguous arrays, numpy scalars, odd dtypes."""
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
@@ -53,11 +53,11 @@ def prediction_payload(response: InferenceResponse) -> tuple[bytes, str]:
         return bytes(response.body), response.content_type or "application/octet-stream"
     if response.body is not None:
         content_type = response.content_type or "application/json"
-        return orjson.dumps(response.body, default=_json_default, option=_NUMPY), content_type
+        return orjson.dumps(response.body, default=json_default, option=_NUMPY), content_type
     # orjson writes numpy arrays directly, without a tolist() round trip.
     outputs = response.outputs
     value: Any = next(iter(outputs.values())) if len(outputs) == 1 else outputs
-    return orjson.dumps(value, default=_json_default, option=_NUMPY), "application/json"
+    return orjson.dumps(value, default=json_default, option=_NUMPY), "application/json"
 
 
 def health(ready: bool) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """KeyInterceptor: the gRPC side of the access keys (metadata `authorization: Bearer <key>`).
 
 Health checks pass without a key (probes carry none, and they reveal only SERVING or not);
-every other method, reflection included, needs the API's key.
+every other method, reflection included, needs the API's key, and the methods that change what
+the server runs (Triton's repository load and unload, and its index) the management key.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ def _refusal(handler: grpc.RpcMethodHandler, error: ServingError) -> grpc.RpcMet
 
 
 class KeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuse calls without `api`'s key: UNAUTHENTICATED, or PERMISSION_DENIED for the other
-    API's key."""
+    """Refuse calls without `api`'s key (the management key for `management_methods`, full
+    method names): UNAUTHENTICATED, or PERMISSION_DENIED for the other API's key."""
 
-    def __init__(self, keys: AccessKeys, api: Api) -> None:
+    def __init__(
+        self, keys: AccessKeys, api: Api, management_methods: frozenset[str] = frozenset()
+    ) -> None:
         self.keys = keys
         self.api = api
+        self.management_methods = management_methods
 
     async def intercept_service(
         self,
@@ -58,20 +62,28 @@ class KeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        if method.startswith(OPEN_PREFIXES):
+        api: Api = "management" if method in self.management_methods else self.api
+        if method.startswith(OPEN_PREFIXES) or not self.keys.required(api):
             return await continuation(handler_call_details)
-        authorization = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                authorization = value if isinstance(value, str) else value.decode("latin-1")
-                break
-        error = self.keys.check(self.api, authorization)
+        error = self.keys.check(api, authorization_of(handler_call_details.invocation_metadata))
         handler = await continuation(handler_call_details)
         if error is None or handler is None:
             return handler
         return _refusal(handler, error)
 
 
-def interceptors(keys: AccessKeys, api: Api) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptors a server for `api` needs: none when the API checks no key."""
-    return [KeyInterceptor(keys, api)] if keys.required(api) else []
+def authorization_of(metadata: Any) -> str | None:
+    """The `authorization` value of a call's metadata, if it has one."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
+def interceptors(
+    keys: AccessKeys, api: Api, management_methods: frozenset[str] = frozenset()
+) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors a server for `api` needs: none when the API checks no key. Without
+    one, `management_methods` check the management key themselves (`authorization_of`): an
+    interceptor costs every call of the port."""
+    return [KeyInterceptor(keys, api, management_methods)] if keys.required(api) else []

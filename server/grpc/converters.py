@@ -16,6 +16,7 @@ import asyncio
 from typing import Any, TypeVar
 
 import numpy as np
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from scriptserve.archiver.signature import datatype_of
@@ -134,6 +135,18 @@ def fill_metadata(meta: ModelMetadata, response: M) -> M:
         for spec in specs:
             tensors.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
     return response
+
+
+def from_json(values: dict[str, Any], message: M) -> M:
+    """Fill an empty message from the JSON form the REST routes answer with (Triton's model
+    configuration, statistics, repository index): one source for both transports."""
+    json_format.ParseDict(values, message)
+    return message
+
+
+def repository_parameters(parameters: Any) -> dict[str, Any]:
+    """A repository request's `ModelRepositoryParameter` map as plain values."""
+    return {key: parameter_value(value) for key, value in parameters.items()}
 
 
 QUANTIZE_METADATA = "scriptserve-quantize"

@@ -24,7 +24,10 @@ from scriptserve.server.grpc._generated import inference_pb2 as ts
 from scriptserve.server.grpc._generated import inference_pb2_grpc as ts_grpc
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from scriptserve.server.grpc.auth import authorization_of
 from scriptserve.server.grpc.status import abort, status_code
+from scriptserve.server.repository import ModelRepository
+from scriptserve.server.security import AccessKeys
 
 R = TypeVar("R")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
@@ -49,10 +52,13 @@ def version_of(value: str) -> str | None:
 
 
 class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
-    """Open Inference Protocol v2: `inference.GRPCInferenceService`."""
+    """Open Inference Protocol v2: `inference.GRPCInferenceService`, with Triton's model
+    configuration, statistics and model repository extensions."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, repository: ModelRepository, keys: AccessKeys) -> None:
         self.dataplane = dataplane
+        self.repository = repository
+        self.keys = keys
 
     @translated
     async def ServerLive(self, request: Any, context: Any) -> oip.ServerLiveResponse:
@@ -86,6 +92,48 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             timeout_s=context.time_remaining(),
         )  # fmt: skip
         return converters.fill_infer_response(served, request.id, oip.ModelInferResponse())
+
+    @translated
+    async def ModelConfig(self, request: Any, context: Any) -> oip.ModelConfigResponse:
+        config = self.dataplane.model_config(request.name, version_of(request.version))
+        return converters.from_json({"config": config}, oip.ModelConfigResponse())
+
+    @translated
+    async def ModelStatistics(self, request: Any, context: Any) -> oip.ModelStatisticsResponse:
+        name = request.name or None  # no name: every model (a version alone means nothing)
+        stats = self.dataplane.statistics(name, version_of(request.version) if name else None)
+        return converters.from_json({"model_stats": stats}, oip.ModelStatisticsResponse())
+
+    def _authorize_management(self, context: Any) -> None:
+        """The repository methods take the management key (also checked by the port's key
+        interceptor, where it has one)."""
+        error = self.keys.check("management", authorization_of(context.invocation_metadata()))
+        if error is not None:
+            raise error
+
+    @translated
+    async def RepositoryIndex(self, request: Any, context: Any) -> oip.RepositoryIndexResponse:
+        self._authorize_management(context)
+        index = self.repository.index(request.ready)
+        return converters.from_json({"models": index}, oip.RepositoryIndexResponse())
+
+    @translated
+    async def RepositoryModelLoad(
+        self, request: Any, context: Any
+    ) -> oip.RepositoryModelLoadResponse:
+        self._authorize_management(context)
+        parameters = converters.repository_parameters(request.parameters)
+        await self.repository.load(request.model_name, parameters)
+        return oip.RepositoryModelLoadResponse()
+
+    @translated
+    async def RepositoryModelUnload(
+        self, request: Any, context: Any
+    ) -> oip.RepositoryModelUnloadResponse:
+        self._authorize_management(context)
+        parameters = converters.repository_parameters(request.parameters)
+        await self.repository.unload(request.model_name, parameters)
+        return oip.RepositoryModelUnloadResponse()
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext

@@ -27,10 +27,16 @@ from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInfer
 from scriptserve.server.grpc.malformed import MalformedMessageInterceptor
 from scriptserve.server.grpc.management import ManagementServicer
 from scriptserve.server.management import Management
+from scriptserve.server.repository import ModelRepository
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
 
 _OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+REPOSITORY_METHODS = frozenset(
+    f"/{_OIP}/{method}"
+    for method in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+)
+"""Triton's repository extension on the inference port: they take the management key."""
 _TS = inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name
 _MGMT = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name
 
@@ -78,13 +84,15 @@ class GrpcServers:
         management: Management,
         settings: ServerSettings,
         keys: AccessKeys | None = None,
+        repository: ModelRepository | None = None,
     ) -> None:
         keys = keys or AccessKeys(None, None, enforced=False)
+        repository = repository or ModelRepository(management)
         options = server_options(settings)
         # The key check runs first: a call without its key is refused whatever it carries.
+        inference_keys = interceptors(keys, "inference", REPOSITORY_METHODS)
         self.inference = grpc.aio.server(
-            options=options,
-            interceptors=[*interceptors(keys, "inference"), MalformedMessageInterceptor()],
+            options=options, interceptors=[*inference_keys, MalformedMessageInterceptor()]
         )
         self.management = grpc.aio.server(
             options=options,
@@ -92,7 +100,7 @@ class GrpcServers:
         )
         self._health: list[health.aio.HealthServicer] = []
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(dataplane), self.inference
+            InferenceServicer(dataplane, repository, keys), self.inference
         )
         ts_grpc.add_InferenceAPIsServiceServicer_to_server(
             TorchServeInferenceServicer(dataplane), self.inference

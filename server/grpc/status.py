@@ -23,6 +23,7 @@ from scriptserve.server.errors import (
     PayloadTooLarge,
     PermissionDenied,
     QueueFull,
+    RouteNotFound,
     ServingError,
     Unauthenticated,
 )
@@ -33,6 +34,7 @@ GRPC_CODES: dict[type[ServingError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    RouteNotFound: grpc.StatusCode.UNIMPLEMENTED,
     MethodNotAllowed: grpc.StatusCode.UNIMPLEMENTED,
     Conflict: grpc.StatusCode.ALREADY_EXISTS,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,

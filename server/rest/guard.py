@@ -50,8 +50,9 @@ def _route(scope: Scope) -> str:
 
 
 class RequestGuard:
-    """Wrap an ASGI app: `api`'s key on every path but `open_paths`; bodies up to `max_bytes`;
-    clients gone mid-body counted in `metrics`."""
+    """Wrap an ASGI app: `api`'s key on every path but `open_paths`, the management key on paths
+    that start with one of `management_paths`; bodies up to `max_bytes`; clients gone mid-body
+    counted in `metrics`."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class RequestGuard:
         max_bytes: int,
         open_paths: frozenset[str] = frozenset(),
         metrics: ServerMetrics | None = None,
+        management_paths: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self.keys = keys
@@ -68,6 +70,7 @@ class RequestGuard:
         self.max_bytes = max_bytes
         self.open_paths = open_paths
         self.auth = keys.required(api)
+        self.management_paths = management_paths
         self._disconnects = metrics.client_disconnects.labels(api) if metrics else None
 
     def _disconnected(self, scope: Scope) -> None:
@@ -89,9 +92,13 @@ class RequestGuard:
                 declared = value
             elif key == b"authorization":
                 authorization = value
-        if self.auth and scope["path"] not in self.open_paths:
+        path = scope["path"]
+        api: Api = self.api
+        if self.management_paths and path.startswith(self.management_paths):
+            api = "management"
+        if (self.auth or api != self.api) and path not in self.open_paths:
             header = authorization.decode("latin-1") if authorization is not None else None
-            error = self.keys.check(self.api, header)
+            error = self.keys.check(api, header)
             if error is not None:
                 await send_error(scope, send, error)
                 return
@@ -145,5 +152,6 @@ def guarded(
     max_bytes: int,
     *open_paths: str,
     metrics: ServerMetrics | None = None,
+    management_paths: tuple[str, ...] = (),
 ) -> Any:
-    return RequestGuard(app, keys, api, max_bytes, frozenset(open_paths), metrics)
+    return RequestGuard(app, keys, api, max_bytes, frozenset(open_paths), metrics, management_paths)

@@ -21,6 +21,7 @@ from scriptserve.server.codec.header_values import positive_seconds
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
 from scriptserve.server.rest.errors import install_error_handlers
+from scriptserve.server.rest.oip_extensions import add_model_extension_routes
 from scriptserve.server.settings import ServerSettings
 
 _JSON = "application/json"
@@ -160,6 +161,9 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     async def ready() -> Response:
         is_ready = dataplane.ready()
         return JSONResponse({"ready": is_ready}, 200 if is_ready else 503)
+
+    # Before the metadata routes: /v2/models/stats is every model's statistics.
+    add_model_extension_routes(app, dataplane)
 
     def metadata(model_name: str, version: str | None) -> dict[str, Any]:
         meta = dataplane.model_metadata(model_name, version)

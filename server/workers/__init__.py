@@ -5,9 +5,9 @@ that says what a worker is (`threads.ThreadRunner`, `process.runner.ProcessRunne
 
     pool = build_pool(
         mode="thread", context=context, batcher=batcher, devices=["cpu"], metrics=metrics,
-        response_timeout_s=120.0, policy=RestartPolicy(), max_abandoned=4,
+        response_timeout_s=120.0, policy=RestartPolicy(), max_abandoned=4, warmup_runs=2,
     )
-    pool.scale(2)  # blocking: both workers have loaded their handler
+    pool.scale(2)  # blocking: both workers have loaded their handler and warmed it up
 """
 
 from __future__ import annotations
@@ -38,17 +38,19 @@ def build_pool(
     response_timeout_s: float,
     policy: RestartPolicy,
     max_abandoned: int,
+    warmup_runs: int = 0,
 ) -> AnyWorkerPool:
     """A pool with no workers yet (`scale` starts them) whose handlers are built from `context`,
-    one per worker's device: in this process (`thread`) or in each worker process."""
+    one per worker's device: in this process (`thread`) or in each worker process. Each worker
+    runs the archive's sample input `warmup_runs` times before it joins."""
     name, version = context.model_name, context.model_version
     if mode == "process":
-        runner = ProcessRunner(context, response_timeout_s, policy)
+        runner = ProcessRunner(context, response_timeout_s, policy, warmup_runs)
         return WorkerPool(name, version, batcher, runner, devices, metrics)
 
     def build(device: str) -> tuple[BaseHandler, Context]:
         on_device = replace(context, device=device)
         return load_handler(on_device), on_device
 
-    threads = ThreadRunner(build, response_timeout_s, max_abandoned, policy)
+    threads = ThreadRunner(build, response_timeout_s, max_abandoned, policy, warmup_runs)
     return WorkerPool(name, version, batcher, threads, devices, metrics)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
-from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse, StageTimes
 from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.errors import (
     DeadlineExceeded,
@@ -33,6 +33,7 @@ from scriptserve.server.errors import (
     error_for_status,
 )
 from scriptserve.server.metrics import VersionMetrics
+from scriptserve.server.workers.warmup import WarmupResult
 
 log = logging.getLogger("scriptserve.workers")
 
@@ -83,6 +84,8 @@ class Slot:
     thread: threading.Thread | None = None
     abandoned: bool = False
     """Its thread was given up (stuck in the handler): not waited for when the pool stops."""
+    warmup: WarmupResult | None = None
+    """What its worker's warm-up did before the slot joined; None when warm-up is off."""
 
 
 S = TypeVar("S", bound=Slot)
@@ -123,9 +126,9 @@ class Runner(Protocol[S]):
         """Before each wait for a batch: replace a lost worker; False ends the slot's loop."""
 
     def run(
-        self, pool: WorkerPool[S], slot: S, requests: list[InferenceRequest]
+        self, pool: WorkerPool[S], slot: S, requests: list[InferenceRequest], times: StageTimes
     ) -> list[InferenceResponse]:
-        """One response per request; raises WorkerLost."""
+        """One response per request, the batch's stages timed into `times`; raises WorkerLost."""
 
     def watch(self, pool: WorkerPool[S]) -> None:
         """Body of the pool's watcher thread; returns once `pool.closed` is set."""
@@ -183,6 +186,7 @@ def describe_worker(model: str, slot: Slot, **extra: object) -> dict[str, object
         "device": slot.device,
         "batches": slot.batches,
         "gpu": slot.device.startswith("cuda"),
+        **(slot.warmup.describe() if slot.warmup is not None else {}),
         **extra,
     }
 
@@ -357,18 +361,18 @@ class WorkerPool(Generic[S]):
                 self._run(slot, batch.jobs)
 
     def _run(self, slot: S, jobs: list[Job]) -> None:
-        for job in jobs:
-            self.metrics.queue_latency.observe(job.dequeued - job.enqueued)
-        self.metrics.batch_size.observe(len(jobs))
+        self.metrics.observe_taken([job.dequeued - job.enqueued for job in jobs])
         slot.busy_since = time.monotonic()
         slot.state = WorkerState.BUSY
+        requests = [job.request for job in jobs]
+        times = StageTimes()
         started = time.perf_counter()
         try:
-            responses = self.runner.run(self, slot, [job.request for job in jobs])
+            responses = self.runner.run(self, slot, requests, times)
         except WorkerLost as lost:
             fail_jobs(jobs, lost.error)
             return
-        self.metrics.inference_latency.observe(time.perf_counter() - started)
+        self.metrics.observe_batch(requests, time.perf_counter() - started, times)
         slot.batches += 1
         if slot.state is WorkerState.BUSY:  # not if it was given up meanwhile
             slot.state = WorkerState.READY

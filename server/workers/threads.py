@@ -4,6 +4,9 @@ Each worker is bound to a device (`cpu`, or `cuda:N` round-robin). Handlers whos
 `thread_safe` are built once per device and shared by that device's workers (one copy of the
 weights); others get one instance per worker.
 
+Before a worker joins the pool it runs the archive's sample input (`warmup.warm_up`), so the
+model reports ready with warm workers.
+
 A watchdog notices a worker stuck in one handler call past the response timeout. A thread cannot
 be killed: the stuck one is abandoned (its result is dropped when it returns; its clients have
 had their 504 from the data plane's timer) and a new worker takes its place. Until the new one
@@ -27,11 +30,13 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
+    StageTimes,
     load_failure,
     run_batch,
 )
 from scriptserve.handlers.loader import worker_scope
 from scriptserve.server.workers.pool import RestartPolicy, Slot, WorkerPool, WorkerState
+from scriptserve.server.workers.warmup import warm_up
 
 log = logging.getLogger("scriptserve.workers")
 
@@ -59,8 +64,10 @@ class ThreadRunner:
         response_timeout_s: float | None = None,
         max_abandoned: int = 4,
         policy: RestartPolicy | None = None,
+        warmup_runs: int = 0,
     ) -> None:
         self._factory = factory
+        self._warmup_runs = warmup_runs
         self._timeout_s = response_timeout_s
         self._max_abandoned = max_abandoned
         self._policy = policy or RestartPolicy()
@@ -99,11 +106,17 @@ class ThreadRunner:
         slots = []
         for slot_id, device in places:
             handler, context = self._handler_for(pool, device)
+            # On this (loading) thread: what a model sets up on its first calls serves the
+            # worker thread too (measured for TorchScript: 52 ms cold, 0.7 ms for the first call
+            # on another thread after warm-up, 0.5 ms steady).
+            with worker_scope(handler):
+                warmup = warm_up(handler, context, self._warmup_runs, slot_id)
             slots.append(
                 ThreadSlot(
                     id=slot_id,
                     device=device,
                     state=WorkerState.READY,
+                    warmup=warmup,
                     handler=handler,
                     context=context,
                 )
@@ -124,9 +137,13 @@ class ThreadRunner:
         return True
 
     def run(
-        self, pool: WorkerPool[ThreadSlot], slot: ThreadSlot, requests: list[InferenceRequest]
+        self,
+        pool: WorkerPool[ThreadSlot],
+        slot: ThreadSlot,
+        requests: list[InferenceRequest],
+        times: StageTimes,
     ) -> list[InferenceResponse]:
-        responses = run_batch(slot.handler, requests, slot.context)
+        responses = run_batch(slot.handler, requests, slot.context, times)
         if slot.abandoned:
             log.warning(
                 "model=%s version=%s request_ids=%s worker %d returned after %.1f s, past its "

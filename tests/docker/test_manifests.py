@@ -56,7 +56,7 @@ def test_every_file_parses_and_names_known_kinds() -> None:
     kinds = sorted(d["kind"] for d in ALL_K8S)
     assert kinds == sorted(["PersistentVolumeClaim", "Deployment", "Service",
                             "HorizontalPodAutoscaler", "ClusterServingRuntime",
-                            "InferenceService", "InferenceService"])  # fmt: skip
+                            *["InferenceService"] * 3])  # fmt: skip
     assert load_all(DOCKER / "prometheus.yml")
     assert set(COMPOSE["services"]) == {"scriptserve", "prometheus"}
 
@@ -108,16 +108,16 @@ def test_ports_are_the_servers_defaults() -> None:
     assert job["static_configs"][0]["targets"] == [f"scriptserve:{PORT['metrics']}"]
 
 
-def test_kserve_runtime_speaks_v2_over_rest_and_grpc() -> None:
+def test_kserve_runtime_speaks_v1_and_v2_over_rest_and_v2_over_grpc() -> None:
     docs = K8S["kserve.yaml"]
     runtime = one(docs, "ClusterServingRuntime")
-    assert set(runtime["spec"]["protocolVersions"]) == {"v2", "grpc-v2"}
+    assert set(runtime["spec"]["protocolVersions"]) == {"v1", "v2", "grpc-v2"}
     (container,) = runtime["spec"]["containers"]
     assert [p["containerPort"] for p in container["ports"]] == [PORT["inference"]]
     assert container["args"][container["args"].index("--model-store") + 1] == "/mnt/models"
     services = {d["spec"]["predictor"]["model"]["protocolVersion"]: d for d in docs
                 if d["kind"] == "InferenceService"}  # fmt: skip
-    assert set(services) == {"v2", "grpc-v2"}
+    assert set(services) == {"v1", "v2", "grpc-v2"}
     formats = {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     for isvc in services.values():
         model = isvc["spec"]["predictor"]["model"]

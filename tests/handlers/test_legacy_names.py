@@ -92,7 +92,8 @@ def test_an_old_style_handler_is_served_and_its_names_go_with_it(
         dataplane.starting = False
         await management.register(Registration(url="old.mar"))
         after_load = entered[0]
-        assert after_load == 3  # the handler file's import, then one per worker (2)
+        # The handler file's import, then per worker (2): its warm-up, and its life.
+        assert after_load == 5
         # While its workers serve, the old name is scriptserve's module.
         assert importlib.import_module("handlers.base") is base
         x = np.full((1, 8), 0.25, dtype=np.float32)

@@ -56,6 +56,8 @@ def test_default_workers_follow_cores_and_gpus() -> None:
         ("workerMode", "process", "worker_mode", "process"),
         ("worker_mode", "process", "worker_mode", "process"),
         ("batchSize", "16", "batch_size", 16),  # YAML written with quotes
+        ("warmupRuns", 5, "warmup_runs", 5),
+        ("warmupRuns", 0, "warmup_runs", 0),
     ],
 )
 def test_each_torchserve_model_config_key_sets_its_setting(
@@ -181,6 +183,18 @@ def test_settings_survive_the_snapshots_json_as_registration_overrides() -> None
     saved = json.loads(json.dumps(m.model_dump(mode="json")))
     assert saved["device_ids"] == [0, 1]
     assert ModelSettings.resolve(server_settings(), {}, saved) == m
+
+
+def test_warmup_runs_come_from_the_server_unless_a_model_says_and_no_warmup_wins() -> None:
+    assert ModelSettings.resolve(server_settings(), {}).warmup_runs == 2
+    assert ModelSettings.resolve(server_settings(warmup_runs=4), {}).warmup_runs == 4
+    configured = {"warmupRuns": 3}
+    assert ModelSettings.resolve(server_settings(), configured).warmup_runs == 3
+    # The server's off switch turns every model's warm-up off, whatever its config says.
+    off = server_settings(warmup=False)
+    assert ModelSettings.resolve(off, configured, {"warmup_runs": 5}).warmup_runs == 0
+    with pytest.raises(ModelSettingsError, match=r"warmupRuns: warmup_runs must be greater"):
+        ModelSettings.resolve(server_settings(), {"warmupRuns": -1})
 
 
 def test_model_settings_are_immutable() -> None:

@@ -2,10 +2,13 @@
 
 It talks to its slot's thread in the server over one pipe, in small messages:
 
-- it sends `("ready", pid)` once its handler is loaded, or `("error", message)` and exits;
+- it sends `("ready", pid, warmup)` once its handler is loaded and has run the sample input
+  (`warmup.warm_up`), or `("error", message)` and exits;
 - it receives `("run", requests_segment, responses_segment, responses_size, described)`, reads
   the requests from shared memory, runs the batch (`run_batch`), writes the responses into the
-  responses segment and sends `("done", described_responses)`; when they do not fit it first
+  responses segment and sends `("done", described_responses, (input_s, output_s))`, the seconds
+  spent reading and preprocessing the batch, and postprocessing and writing its answers (Triton's
+  compute_input and compute_output); when they do not fit it first
   sends `("grow", bytes_needed)` and receives `("output", segment, size)`;
 - `("stop",)` or the pipe closing ends it. It also ends when the server process goes away,
   even in the middle of a handler call, so no worker outlives its server.
@@ -28,12 +31,14 @@ from scriptserve.handlers.base import (
     Context,
     InferenceRequest,
     InferenceResponse,
+    StageTimes,
     load_failure,
     run_batch,
 )
 from scriptserve.handlers.loader import load_handler, worker_scope
 from scriptserve.server.log_format import configure_logging
 from scriptserve.server.workers.process import shared_memory as frames
+from scriptserve.server.workers.warmup import warm_up
 
 log = logging.getLogger("scriptserve.workers.child")
 
@@ -48,6 +53,10 @@ class ChildSpec:
     """The handler's context, on the worker's device."""
     log_level: int = logging.INFO
     parent_pid: int = 0
+    worker: int = 0
+    """The slot's id, for the log."""
+    warmup_runs: int = 0
+    """Runs of the archive's sample input before the worker says it is ready; 0 = none."""
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -106,17 +115,21 @@ def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
         if message[0] != "run":
             return
         _, requests_name, responses_name, responses_size, described = message
+        started = time.perf_counter()
         buf = segments.get("requests", requests_name)
         requests = [frames.read_request(buf, d) for d in described]
         del buf
-        responses = run_batch(handler, requests, context)
+        times = StageTimes(input_s=time.perf_counter() - started)
+        responses = run_batch(handler, requests, context, times)
+        extracting = time.perf_counter()
         frame = frames.Frame()
         metas = _describe_responses(frame, requests, responses, context)
         if frame.size > responses_size:
             conn.send(("grow", frame.size))
             _, responses_name, responses_size = conn.recv()
         frame.write(segments.get("responses", responses_name))
-        conn.send(("done", metas))
+        times.output_s += time.perf_counter() - extracting
+        conn.send(("done", metas, (times.input_s, times.output_s)))
 
 
 def child_main(conn: Connection, spec: ChildSpec) -> None:
@@ -132,8 +145,9 @@ def child_main(conn: Connection, spec: ChildSpec) -> None:
     except Exception as exc:
         conn.send(("error", load_failure(exc, context.model_name, context.model_version).message))
         return
-    conn.send(("ready", os.getpid()))
     with worker_scope(handler):
+        warmup = warm_up(handler, context, spec.warmup_runs, spec.worker)
+        conn.send(("ready", os.getpid(), warmup))
         _serve(conn, handler, context)
     # Skip the interpreter's teardown of torch and friends (seconds on a busy machine): the
     # handler has no cleanup hook, and the server waits for this exit when it shuts down.

@@ -28,9 +28,15 @@ from dataclasses import dataclass, field, replace
 from multiprocessing import shared_memory
 from multiprocessing.connection import wait
 from threading import Lock
-from time import monotonic
+from time import monotonic, perf_counter
 
-from scriptserve.handlers.base import Context, HandlerError, InferenceRequest, InferenceResponse
+from scriptserve.handlers.base import (
+    Context,
+    HandlerError,
+    InferenceRequest,
+    InferenceResponse,
+    StageTimes,
+)
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
 from scriptserve.server.workers.pool import (
     RestartPolicy,
@@ -52,7 +58,7 @@ from scriptserve.server.workers.process.child_process import (
 log = logging.getLogger("scriptserve.workers.process")
 
 START_TIMEOUT_S = 180.0
-"""How long a new worker process may take to import its runtime and load the model."""
+"""How long a new worker process may take to import its runtime, load the model and warm it up."""
 _WATCH_INTERVAL_S = 0.2
 
 
@@ -83,9 +89,14 @@ class ProcessRunner:
     )
 
     def __init__(
-        self, context: Context, response_timeout_s: float, policy: RestartPolicy | None = None
+        self,
+        context: Context,
+        response_timeout_s: float,
+        policy: RestartPolicy | None = None,
+        warmup_runs: int = 0,
     ) -> None:
         self._context = context
+        self._warmup_runs = warmup_runs
         self._timeout_s = response_timeout_s
         self._policy = policy or RestartPolicy()
         self._crash_lock = Lock()
@@ -142,13 +153,17 @@ class ProcessRunner:
         return True
 
     def run(
-        self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot, requests: list[InferenceRequest]
+        self,
+        pool: WorkerPool[ProcessSlot],
+        slot: ProcessSlot,
+        requests: list[InferenceRequest],
+        times: StageTimes,
     ) -> list[InferenceResponse]:
         child = slot.child
         if child is None:  # `prepare` gave it one; `stop` may have ended it since
             raise WorkerLost(ModelNotReady("the model was stopped before this request ran"))
         try:
-            responses = self._exchange(slot, child, requests)
+            responses = self._exchange(slot, child, requests, times)
         except WorkerGone as exc:
             when = f"({exc}) while running this request"
             raise WorkerLost(self._lost(pool, slot, requests, when)) from None
@@ -212,6 +227,8 @@ class ProcessRunner:
             context=replace(self._context, device=slot.device),
             log_level=logging.getLogger().getEffectiveLevel(),
             parent_pid=os.getpid(),
+            worker=slot.id,
+            warmup_runs=self._warmup_runs,
         )
         slot.child = spawn(spec, name=f"scriptserve-worker-{pool.model}-{slot.id}")
 
@@ -228,6 +245,7 @@ class ProcessRunner:
             return f"the worker process did not load the model within {START_TIMEOUT_S:g} s"
         if reply[0] == "error":
             return str(reply[1])
+        slot.warmup = reply[2]
         slot.state = WorkerState.READY
         log.info(
             "model=%s version=%s worker %d ready (pid %s)",
@@ -239,13 +257,20 @@ class ProcessRunner:
         return None
 
     def _exchange(
-        self, slot: ProcessSlot, child: Child, requests: list[InferenceRequest]
+        self,
+        slot: ProcessSlot,
+        child: Child,
+        requests: list[InferenceRequest],
+        times: StageTimes,
     ) -> list[InferenceResponse]:
-        """Send a batch to the worker process and read its responses back."""
+        """Send a batch to the worker process and read its responses back; the hand-over both
+        ways counts into the batch's input and output stages, with the worker's own."""
+        started = perf_counter()
         frame = frames.Frame()
         described = [frames.describe_request(frame, request) for request in requests]
         slot.requests = frames.ensure_segment(slot.requests, frame.size)
         frame.write(frames.segment_view(slot.requests))
+        times.input_s += perf_counter() - started
         deadline = monotonic() + self._timeout_s
         child.send(("run", slot.requests.name, slot.responses.name, slot.responses.size, described))
         while True:
@@ -254,9 +279,13 @@ class ProcessRunner:
                 slot.responses = frames.ensure_segment(slot.responses, reply[1])
                 child.send(("output", slot.responses.name, slot.responses.size))
                 continue
-            _, metas = reply
+            _, metas, (input_s, output_s) = reply
+            reading = perf_counter()
             buf = frames.segment_view(slot.responses)
-            return [frames.read_response(buf, meta) for meta in metas]
+            responses = [frames.read_response(buf, meta) for meta in metas]
+            times.input_s += input_s
+            times.output_s += output_s + perf_counter() - reading
+            return responses
 
     def _shutdown(self, slot: ProcessSlot, grace_s: float) -> None:
         """End the slot's worker process: ask it to exit, kill it after `grace_s`."""

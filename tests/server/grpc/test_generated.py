@@ -20,6 +20,7 @@ import pytest
 from google.protobuf import any_pb2, descriptor_pool, empty_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
 from google.rpc import status_pb2
+from tritonclient.grpc import model_config_pb2 as triton_config_pb2
 from tritonclient.grpc import service_pb2 as triton_pb2
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -182,8 +183,16 @@ def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:
                 "ModelInfer",
             )
         },
-        # Triton's bidirectional extension.
+        # Triton's extensions: bidirectional inference, model configuration, statistics and
+        # the model repository.
         "ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse", True, True),
+        **{
+            name: (f"{name}Request", f"{name}Response", False, False)
+            for name in (
+                "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad",
+                "RepositoryModelUnload",
+            )
+        },
     }  # fmt: skip
 
     ts = file_of(pool, "inference")
@@ -273,12 +282,66 @@ def _wire(message: Descriptor) -> list[tuple[object, ...]]:
     return sorted(shape, key=repr)
 
 
+NEWER_THAN_TRITONCLIENT = {
+    "InferResponseStatistics": {"*"},
+    "ModelStatistics": {"response_stats", "ResponseStatsEntry"},  # a map field and its entry
+}
+"""What Triton's grpc_service.proto added after tritonclient 2.41 (the pinned client: the last
+that ships perf_analyzer); scriptserve's proto is the current one."""
+
+
+def _without_newer(name: str, shape: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    newer = NEWER_THAN_TRITONCLIENT.get(name, set())
+    # A field is (number, name, ...), a nested message (name, fields).
+    return [item for item in shape if not newer & {str(item[0]), str(item[1])}]
+
+
+def _subset_on_the_wire(ours: Descriptor, theirs: Descriptor) -> None:
+    """Every field of `ours` is the field of `theirs` with its name: number, type, repetition,
+    message or enum type and oneof; nested messages likewise, enums value for value."""
+    for field in ours.fields:
+        their = theirs.fields_by_name[field.name]
+        assert (
+            field.number, field.type, field.is_repeated,
+            field.message_type.name if field.message_type else None,
+            field.enum_type.name if field.enum_type else None,
+            field.containing_oneof.name if field.containing_oneof else None,
+        ) == (
+            their.number, their.type, their.is_repeated,
+            their.message_type.name if their.message_type else None,
+            their.enum_type.name if their.enum_type else None,
+            their.containing_oneof.name if their.containing_oneof else None,
+        ), f"{ours.full_name}.{field.name}"  # fmt: skip
+    for nested in ours.nested_types:
+        _subset_on_the_wire(nested, theirs.nested_types_by_name[nested.name])
+    for enum in ours.enum_types:
+        their_enum = theirs.enum_types_by_name[enum.name]
+        assert [(v.name, v.number) for v in enum.values] == [
+            (v.name, v.number) for v in their_enum.values
+        ], enum.full_name
+
+
 def test_oip_messages_match_tritons_on_the_wire(pool: descriptor_pool.DescriptorPool) -> None:
-    """Every OIP message is field for field the one in Triton's grpc_service.proto."""
+    """Every OIP message is field for field the one in Triton's grpc_service.proto; the model
+    configuration's messages carry a subset of model_config.proto's fields, each the same."""
     ours = file_of(pool, "open_inference_grpc")
     assert ours.message_types_by_name
+    services = triton_pb2.DESCRIPTOR.message_types_by_name
+    configs = triton_config_pb2.DESCRIPTOR.message_types_by_name
     for name, message in ours.message_types_by_name.items():
-        assert _wire(message) == _wire(triton_pb2.DESCRIPTOR.message_types_by_name[name]), name
+        if name in configs:
+            _subset_on_the_wire(message, configs[name])
+        elif "*" not in NEWER_THAN_TRITONCLIENT.get(name, set()):
+            theirs = _wire(services[name])
+            assert _without_newer(name, _wire(message)) == theirs, name
+    assert set(ours.message_types_by_name) >= {"ModelConfig", "ModelInput", "ModelOutput"}
+    (data_type,) = ours.enum_types_by_name.values()
+    assert [(v.name, v.number) for v in data_type.values] == [
+        (v.name, v.number)
+        for v in triton_config_pb2.DESCRIPTOR.enum_types_by_name["DataType"].values
+    ]
+    response = ours.message_types_by_name["ModelConfigResponse"].fields_by_name["config"]
+    assert response.message_type.full_name == "inference.ModelConfig"
     triton = triton_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
     for method in ours.services_by_name["GRPCInferenceService"].methods:
         theirs = triton[method.name]

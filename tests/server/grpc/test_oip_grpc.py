@@ -298,7 +298,8 @@ def test_reflection_describes_the_oip_service(server: ServerProcess) -> None:
     assert oip.package == "inference"
     assert [m.name for m in oip.service[0].method] == [
         "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
-        "ModelStreamInfer",
+        "ModelStreamInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex",
+        "RepositoryModelLoad", "RepositoryModelUnload",
     ]  # fmt: skip
 
 
