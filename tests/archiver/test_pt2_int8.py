@@ -19,12 +19,14 @@ from pt2models import (
     tiny_validation,
 )
 from testmodels import TinyMLP, reference_output
+from torch import nn
 
 from scriptserve.archiver.accuracy import QuantizationError
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.int8 import pt2 as pt2_int8
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.pt2_export import PackageRunner, compile_package, export_model
+from scriptserve.archiver.quantize import quantize_pt2
 
 INT8_LINEAR = "aoti_torch_cpu__qlinear_pointwise_tensor"
 """The fused oneDNN int8 linear of a dynamically quantized package."""
@@ -201,35 +203,29 @@ def test_static_int8_is_for_pt2_only(sample: Path, tmp_path: Path) -> None:
     )
 
 
-def test_a_model_with_nothing_to_quantize_is_refused(sample: Path, tmp_path: Path) -> None:
-    source_file = tmp_path / "nolayers.py"
-    source_file.write_text(
-        "import torch\nfrom torch import nn\n\n\nclass NoLayers(nn.Module):\n"
-        "    def forward(self, x: torch.Tensor) -> torch.Tensor:\n"
-        "        return torch.tanh(x) * 2 + 1\n"
-    )
-    torch.save({}, tmp_path / "weights.pt")
+class NoLayers(nn.Module):
+    """Element-wise only: nothing for the PT2E quantizer to convert."""
 
-    with inductor_cache():
-        done = run(
-            "model-archiver", "--model-name", "m", "--version", "1.0", "--export-pt2",
-            "--model-file", str(source_file), "--serialized-file", str(tmp_path / "weights.pt"),
-            "--sample-input", str(sample), "--export-path", str(tmp_path), "--max-batch", "4",
-            "--quantize", "dynamic-int8",
-        )  # fmt: skip
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 2 + 1
 
-    # The fp32 package compiles first (its report and torchao's import notices go to stderr).
-    assert done.returncode == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    assert (
-        done.stderr.strip()
-        .splitlines()[-1]
-        .startswith(
-            "model-archiver: error: nothing to quantize: PT2E int8 converts Linear and Conv layers "
-            "(torchao's X86InductorQuantizer), and this model has none (its ops: aten.add.Tensor, "
-        )
+
+def test_a_model_with_nothing_to_quantize_is_refused_before_compiling(tmp_path: Path) -> None:
+    """The quantizer finds nothing, and quantize_pt2 says so before any int8 compile (and
+    before it would load the fp32 package to measure against)."""
+    sample = {"x": np.full((1, 8), 0.5, np.float32)}
+    program = export_model(NoLayers(), sample, 4)
+    dst = tmp_path / "int8.pt2"
+
+    with pytest.raises(QuantizationError) as refused:
+        quantize_pt2(program, tmp_path / "fp32-never-read.pt2", dst, sample, 4)
+
+    assert str(refused.value) == (
+        "nothing to quantize: PT2E int8 converts Linear and Conv layers (torchao's "
+        "X86InductorQuantizer), and this model has none (its ops: aten.add.Tensor, "
+        "aten.mul.Tensor, aten.tanh.default); serve it in fp32 without --quantize"
     )
-    assert not (tmp_path / "m.mar").exists()
+    assert not dst.exists()
 
 
 def test_a_package_compiled_without_freezing_is_refused(tmp_path: Path) -> None:
