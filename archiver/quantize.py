@@ -28,10 +28,11 @@ fast (medians in this process, on the sample input).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,14 +208,25 @@ def quantize_model_file(
     With `validation`, the int8 model is compared with fp32 on those samples and refused
     (QuantizationError, no `dst`) when over `tolerance`."""
     options = options or QuantizeOptions()
-    try:
+    with _removed_on_failure(dst):
         report = convert(src, dst, fmt, sample_inputs, options, validation)
-        if report.validation is not None:
-            check_tolerance(report.validation, tolerance or Tolerance())
+        _guard(report, tolerance)
+    return report
+
+
+@contextlib.contextmanager
+def _removed_on_failure(dst: Path) -> Iterator[None]:
+    """No int8 file is left behind by a conversion that fails or is refused."""
+    try:
+        yield
     except BaseException:
         dst.unlink(missing_ok=True)
         raise
-    return report
+
+
+def _guard(report: QuantizationReport, tolerance: Tolerance | None) -> None:
+    if report.validation is not None:
+        check_tolerance(report.validation, tolerance or Tolerance())
 
 
 def convert(
@@ -259,7 +271,7 @@ def quantize_pt2(
         raise QuantizationError(f"quantize {mode!r}: use {DYNAMIC_INT8} or {STATIC_INT8}")
     options = options or QuantizeOptions()
     _need_sample(sample)
-    try:
+    with _removed_on_failure(dst):
         done = pt2_int8.convert(
             source, sample, dst, max_batch, static=mode == STATIC_INT8, validation=validation
         )
@@ -274,11 +286,7 @@ def quantize_pt2(
         )
         report = _measure(conversion, fp32_package, dst, sample, options.latency_runs, validation)
         report = replace(report, model_format="pt2", options=done.options, mode=mode)
-        if report.validation is not None:
-            check_tolerance(report.validation, tolerance or Tolerance())
-    except BaseException:
-        dst.unlink(missing_ok=True)
-        raise
+        _guard(report, tolerance)
     return report
 
 
