@@ -53,7 +53,20 @@ CLIENT_CLOSED = 499
 DEADLINE_SLACK_S = 0.05
 """How near its deadline a call counts as expired: the client's timer and the server's differ by
 the network's latency, so a client's cancel may arrive just before the server's deadline."""
-_PLATFORMS = {"torchscript": "pytorch_torchscript", "onnx": "onnxruntime_onnx"}
+_PLATFORMS = {
+    "pt2": "pytorch_aotinductor",
+    "torchscript": "pytorch_torchscript",
+    "onnx": "onnxruntime_onnx",
+}
+"""OIP's `platform` (`<framework>_<format>`) by model format."""
+
+
+def _cancelled_status(started: float, timeout_s: float | None) -> int:
+    """The status of a call that was cancelled: its client went away (499), or its own
+    deadline ended it first (504); neither is a server error."""
+    elapsed = time.perf_counter() - started
+    expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
+    return DeadlineExceeded.status if expired else CLIENT_CLOSED
 
 
 @dataclass(frozen=True)
@@ -222,10 +235,7 @@ class DataPlane:
             status = exc.status
             raise
         except asyncio.CancelledError:
-            # The client cancelled, or its own deadline ended the call first: not a server error.
-            elapsed = time.perf_counter() - started
-            expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
-            status = DeadlineExceeded.status if expired else CLIENT_CLOSED
+            status = _cancelled_status(started, timeout_s)
             raise
         finally:
             labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
@@ -338,9 +348,7 @@ class DataPlane:
             status = exc.status
             raise
         except asyncio.CancelledError:
-            elapsed = time.perf_counter() - started
-            expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
-            status = DeadlineExceeded.status if expired else CLIENT_CLOSED
+            status = _cancelled_status(started, timeout_s)
             raise
         finally:
             for job, timer in queued:

@@ -124,6 +124,19 @@ def test_serving_pt2_models_on_cpu_never_imports_torch(server: ServerProcess) ->
     assert "libtorch_python.so" not in maps
 
 
+def test_metadata_and_model_config_name_the_platform(server: ServerProcess) -> None:
+    metadata = httpx.get(f"{server.url}/v2/models/tiny_pt2", timeout=30)
+    config = httpx.get(f"{server.url}/v2/models/tiny_pt2/config", timeout=30)
+
+    assert metadata.status_code == 200, metadata.text
+    assert metadata.json()["platform"] == "pytorch_aotinductor"
+    assert config.status_code == 200, config.text
+    assert (config.json()["platform"], config.json()["backend"]) == (
+        "pytorch_aotinductor",
+        "pytorch",
+    )
+
+
 @pytest.mark.parametrize("model", ["tiny_pt2", "tiny_pt2_process"])
 def test_thread_and_process_workers_answer_like_eager(server: ServerProcess, model: str) -> None:
     x = rows(3, seed=11)
