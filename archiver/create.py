@@ -41,11 +41,11 @@ from scriptserve.archiver.manifest import (
     format_for_file,
 )
 from scriptserve.archiver.model_file import probe_model
+from scriptserve.archiver.pt2_check import check_package
 from scriptserve.archiver.pt2_export import (
     DEFAULT_MAX_BATCH,
     Pt2Source,
     build_package,
-    check_package,
     is_pt2_source,
     max_batch_from,
 )

@@ -50,7 +50,7 @@ def probe_model(
 ) -> Signature:
     """Load `path` with its backend, run `sample` if given, and return the model's signature."""
     if fmt == "pt2":
-        from scriptserve.archiver.pt2_export import check_package
+        from scriptserve.archiver.pt2_check import check_package
 
         return check_package(path, sample, None).signature
     if fmt == "onnx":

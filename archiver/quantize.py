@@ -55,7 +55,8 @@ from scriptserve.archiver.int8 import torchscript as torchscript_int8
 from scriptserve.archiver.int8.conversion import Int8Conversion, Int8Converter, QuantizeOptions
 from scriptserve.archiver.int8.torchscript import is_torchscript_file, select_engine
 from scriptserve.archiver.manifest import ModelFormat, Quantization
-from scriptserve.archiver.pt2_export import PackageRunner, Pt2Source
+from scriptserve.archiver.pt2_check import PackageRunner
+from scriptserve.archiver.pt2_export import Pt2Source
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram

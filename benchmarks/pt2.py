@@ -45,7 +45,7 @@ from benchmarks.loadgen import run_wrk
 from benchmarks.servers import REPO, free_port, scriptserve
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import model_archiver_main
-from scriptserve.archiver.pt2_export import PackageRunner
+from scriptserve.archiver.pt2_check import PackageRunner
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pt2.json"
 MAX_BATCH = 64

@@ -6,7 +6,7 @@ model; a file whose outputs differ by more than its tolerance is refused (`Expor
 
 | format | runtime | tolerance vs eager fp32 (max abs difference of the logits) |
 | --- | --- | --- |
-| pt2 | the AOTInductor C ABI (archiver.pt2_export) | 1e-4 |
+| pt2 | the AOTInductor C ABI (archiver.pt2_check) | 1e-4 |
 | pt2-int8 | the same; torchao PT2E via archiver.quantize | the guard on the validation samples |
 | torchscript (script) | torch.jit | 1e-4 |
 | traced | torch.jit | 1e-4, and script vs trace agree to 1e-5 |
@@ -33,13 +33,8 @@ from torch import nn
 
 from scriptserve.archiver.manifest import Pt2Info
 from scriptserve.archiver.model_file import ModelFileError
-from scriptserve.archiver.pt2_export import (
-    PackageRunner,
-    check_package,
-    compile_options,
-    compile_package,
-    export_model,
-)
+from scriptserve.archiver.pt2_check import PackageRunner, check_package
+from scriptserve.archiver.pt2_export import compile_options, compile_package, export_model
 from scriptserve.archiver.quantize import (
     DYNAMIC_INT8,
     QuantizationError,

@@ -25,7 +25,8 @@ from scriptserve.archiver.accuracy import QuantizationError
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.int8 import pt2 as pt2_int8
 from scriptserve.archiver.manifest import Manifest
-from scriptserve.archiver.pt2_export import PackageRunner, compile_package, export_model
+from scriptserve.archiver.pt2_check import PackageRunner
+from scriptserve.archiver.pt2_export import compile_package, export_model
 from scriptserve.archiver.quantize import quantize_pt2
 
 INT8_LINEAR = "aoti_torch_cpu__qlinear_pointwise_tensor"
