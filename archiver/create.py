@@ -70,6 +70,7 @@ BUILTIN_HANDLERS = (
     "tensor",
     "base_handler",
     "image_classifier",
+    "text_generator",
     "text_classifier",
     "object_detector",
     "image_segmenter",

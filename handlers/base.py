@@ -1,4 +1,4 @@
-"""The handler API: requests in, one response per request out.
+"""The handler API: requests in, one response per request out, or a stream of parts.
 
 A handler turns a batch of protocol-neutral `InferenceRequest`s into one `InferenceResponse` each::
 
@@ -17,6 +17,21 @@ one instance, and one copy of the model's weights. A handler that can explain it
 sets `explains = True`: a request that asks for an explanation (KServe v1's `:explain`) carries
 the header `explain: True`, as TorchServe's explanation requests do.
 
+A handler that streams its answers (tokens of a generative model, say) implements `stream`
+instead of the three steps: a generator that yields, at each step, one part per request of the
+batch (None where a request has no part this step)::
+
+    class Counter(BaseHandler):
+        def stream(self, requests):
+            for step in range(3):
+                yield [InferenceResponse(outputs={"n": np.array([step])}) for _ in requests]
+
+Requests of one batch generate together; each client receives its own parts, in order, as they
+are yielded. A request's stream ends with the generator, or at its part marked `final=True`.
+Parts for a request whose client went away are dropped; once no request of the batch listens,
+the generator is closed at its next yield (`StreamClosed` is raised into code that sends parts
+itself, such as TorchServe's `send_intermediate_predict_response`), and the worker is free.
+
 Workers never call `handle` directly: `run_batch` does, and turns whatever goes wrong into
 failed responses, so that every kind of worker reports a failure the same way. It also times
 preprocess and postprocess when the handler keeps BaseHandler's `handle` (`StageTimes`).
@@ -26,12 +41,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -58,6 +74,14 @@ class HandlerError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+
+class StreamClosed(HandlerError):
+    """No request of the batch still listens to its stream (each client went away, timed out,
+    or read too slowly): raised where the next parts are sent, to stop the generation."""
+
+    def __init__(self) -> None:
+        super().__init__("no request of the batch still listens to its stream", 499)
 
 
 @dataclass
@@ -95,10 +119,41 @@ class InferenceResponse:
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
     """Extra response headers (TorchServe handlers set them through their context)."""
+    final: bool = False
+    """A streamed part that ends its request's stream (Triton's final flag)."""
+
+    @property
+    def empty(self) -> bool:
+        """Carries nothing: the end of a stream whose parts said it all."""
+        return not self.outputs and self.body is None and self.error is None
 
     @classmethod
     def failed(cls, message: str, status: int = 400) -> InferenceResponse:
         return cls(error=message, status=status)
+
+
+class PartSink(Protocol):
+    """Where the parts a streaming handler yields go: the worker's link to each client."""
+
+    def send(self, parts: Sequence[InferenceResponse | None]) -> None:
+        """Deliver one step's parts, one per request of the batch (None: no part for it);
+        raises StreamClosed when no request of the batch still listens."""
+
+
+class DiscardParts:
+    """The sink of a batch nobody streams from (warm-up): parts are dropped."""
+
+    def send(self, parts: Sequence[InferenceResponse | None]) -> None:
+        return None
+
+
+_sinks = threading.local()
+
+
+def send_parts(parts: Sequence[InferenceResponse | None]) -> None:
+    """Send one step's parts for the batch this thread is running (see `PartSink.send`)."""
+    sink: PartSink = getattr(_sinks, "sink", None) or DiscardParts()
+    sink.send(parts)
 
 
 @dataclass
@@ -186,10 +241,54 @@ class BaseHandler:
     def postprocess(self, outputs: Any) -> list[InferenceResponse]:
         return list(outputs)
 
+    def stream(self, requests: list[InferenceRequest]) -> Iterator[list[InferenceResponse | None]]:
+        """A streaming handler's generation: yields one part per request at each step (see the
+        module docstring). Handlers that answer once leave it alone."""
+        raise NotImplementedError
+
+    @classmethod
+    def streams(cls) -> bool:
+        """The handler answers in parts (it implements `stream`)."""
+        return cls.stream is not BaseHandler.stream
+
     def handle(self, requests: list[InferenceRequest], context: Context) -> list[InferenceResponse]:
         """Run one batch; always returns exactly one response per request. `self.context` is the
-        one `initialize` set: the instance may be shared by several worker threads."""
+        one `initialize` set: the instance may be shared by several worker threads. A streaming
+        handler's parts go out as they are yielded; what it returns ends each stream."""
+        if self.streams():
+            return self._handle_stream(requests)
         return self._handle_stages(requests, None)
+
+    def _handle_stream(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        """Send each step of `stream` on; each request's answer is its final part, or an empty
+        response when the generator ended its stream."""
+        finals: list[InferenceResponse | None] = [None] * len(requests)
+        steps = self.stream(requests)
+        try:
+            for step in steps:
+                if not isinstance(step, list) or len(step) != len(requests):
+                    got = len(step) if isinstance(step, list) else type(step).__name__
+                    raise HandlerError(
+                        f"{type(self).__name__}.stream yielded {got} parts for a batch of "
+                        f"{len(requests)} requests; yield a list with one part (or None) per "
+                        "request"
+                    )
+                for i, part in enumerate(step):
+                    if part is None:
+                        continue
+                    if finals[i] is not None:
+                        raise HandlerError(
+                            f"{type(self).__name__}.stream yielded a part for request "
+                            f"{requests[i].request_id} after its final part"
+                        )
+                    if part.final:
+                        finals[i] = part
+                send_parts(step)
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()  # a generator's cleanup runs now, also when the stream was closed
+        return [final or InferenceResponse(final=True) for final in finals]
 
     def _handle_stages(
         self, requests: list[InferenceRequest], times: StageTimes | None
@@ -219,9 +318,11 @@ def run_batch(
     requests: list[InferenceRequest],
     context: Context,
     times: StageTimes | None = None,
+    parts: PartSink | None = None,
 ) -> list[InferenceResponse]:
     """Run one batch through `handler.handle`: one InferenceResponse per request, always.
-    With `times`, the batch's preprocess and postprocess are timed into it.
+    With `times`, the batch's preprocess and postprocess are timed into it; streamed parts go
+    to `parts` (dropped without one).
 
     A HandlerError fails the batch with its own message and status (handler authors write those
     for clients), a BackendError with its message. Any other exception is a bug in the handler:
@@ -232,8 +333,10 @@ def run_batch(
         run_batch(handler, [InferenceRequest(request_id="abc-1")], context)[0].error
         # 'the handler failed: ValueError (request id abc-1); see the server log'
     """
+    _sinks.sink = parts
     try:
-        if times is not None and type(handler).handle is BaseHandler.handle:
+        staged = type(handler).handle is BaseHandler.handle and not handler.streams()
+        if times is not None and staged:
             results = handler._handle_stages(requests, times)
         else:
             results = handler.handle(requests, context)
@@ -253,6 +356,8 @@ def run_batch(
             )
             for r in requests
         ]
+    finally:
+        _sinks.sink = None
     if not isinstance(results, list) or len(results) != len(requests):
         got = len(results) if isinstance(results, list) else type(results).__name__
         message = (

@@ -27,6 +27,7 @@ from scriptserve.handlers.torchserve.adapter import TorchServeHandler
 BUILTIN_HANDLERS: dict[str, str] = {
     "tensor": "scriptserve.handlers.tensor:TensorHandler",
     "image_classifier": "scriptserve.handlers.image_classifier:ImageClassifierHandler",
+    "text_generator": "scriptserve.handlers.text_generator:TextGenerator",
 }
 
 

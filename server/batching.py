@@ -16,9 +16,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.errors import ModelNotReady, QueueFull
+from scriptserve.server.streaming import PartStream
 
 
 @dataclass(eq=False)
@@ -33,6 +35,8 @@ class Job:
     dequeued: float = 0.0
     cancelled: bool = False
     taken: bool = False
+    stream: PartStream[Any] | None = None
+    """Where its parts go when its client takes the answer as a stream."""
 
 
 @dataclass

@@ -39,6 +39,7 @@ from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.model_configuration import model_configuration
 from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.settings import ServerSettings
+from scriptserve.server.streaming import PartStream, StreamRefused
 
 log = logging.getLogger("scriptserve.dataplane")
 
@@ -363,7 +364,45 @@ class DataPlane:
         # Clients choose these names: a typo must not mint a new time series.
         return (name if name in self.registry.names() else UNKNOWN_LABEL), UNKNOWN_LABEL
 
-    def _serving(self, name: str, version: str | None) -> ModelVersion:
+    def stream(
+        self,
+        name: str,
+        version: str | None,
+        request: Request,
+        *,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> PartStream[Served]:
+        """Run one request whose answer the client takes as it comes, part by part (an answer
+        in one piece is a stream of one). Raises ServingError when it cannot be queued; the
+        stream then raises what ended it early. The deadline covers the whole stream."""
+        started = time.perf_counter()
+        try:
+            mv = self._serving(name, version, streaming=True)
+            job, timer = self._enqueue(mv, _decoded(mv, request), timeout_s, stream=True)
+        except ServingError as exc:
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(*self._unknown(name), protocol, exc.status, elapsed)
+            raise
+        self._enter(mv)
+
+        def finished(future: asyncio.Future[InferenceResponse]) -> None:
+            timer.cancel()
+            self._leave(mv)
+            if future.cancelled():
+                mv.batcher.cancel(job)  # the client went away: free its slot if still queued
+                status = _cancelled_status(started, timeout_s)
+            else:
+                error = future.exception()
+                status = 200 if error is None else getattr(error, "status", 500)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(mv.name, mv.version, protocol, status, elapsed)
+
+        job.future.add_done_callback(finished)
+        assert job.stream is not None
+        return job.stream
+
+    def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
         if self.draining:
             raise ModelNotReady("the server is shutting down; retry on another replica")
         mv = self.registry.get(name, version)
@@ -376,12 +415,19 @@ class DataPlane:
             )
         if not mv.serving:
             raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
+        if mv.streams and not streaming:
+            raise StreamRefused(name)
         return mv
 
     def _enqueue(
-        self, mv: ModelVersion, request: InferenceRequest, timeout_s: float | None
+        self,
+        mv: ModelVersion,
+        request: InferenceRequest,
+        timeout_s: float | None,
+        stream: bool = False,
     ) -> tuple[Job, asyncio.TimerHandle]:
-        """Queue the request with its deadline, and the timer that answers 504 at it."""
+        """Queue the request with its deadline (with a PartStream when the client takes its
+        answer in parts), and the timer that answers 504 at it."""
         budget = mv.settings.response_timeout_s
         if timeout_s is not None:
             if timeout_s <= 0:
@@ -389,6 +435,15 @@ class DataPlane:
             budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
         loop = asyncio.get_running_loop()
         job = Job(request, loop.create_future(), deadline=time.monotonic() + budget)
+        if stream:
+            outputs = request.outputs
+            job.stream = PartStream(
+                job.future,
+                self.settings.stream_max_unread_parts,
+                lambda response: _served(mv, response, outputs),
+                model=(mv.name, mv.version),
+                streaming=mv.streams,
+            )
         mv.batcher.submit(job)
         return job, loop.call_later(budget, _expire, job, mv.batcher, budget)
 

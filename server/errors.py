@@ -81,6 +81,12 @@ class DeadlineExceeded(ServingError):
     status = 504
 
 
+class StreamOverrun(ServingError):
+    """A client read its stream so slowly that the parts waiting for it reached the bound."""
+
+    status = 429
+
+
 def error_for_status(status: int, message: str) -> ServingError:
     """The error for a status a handler chose (e.g. 400 for one bad item in a batch)."""
     for cls in (InvalidInput, ModelNotFound, PayloadTooLarge, QueueFull, DeadlineExceeded):

@@ -154,6 +154,7 @@ class ModelLoader:
             pool=pool,
             request_signature=cls.request_signature(manifest.signature),
             explains=cls.explains,
+            streams=cls.streams(),
             loaded_at_startup=startup,
         )
 

@@ -43,6 +43,8 @@ class ModelVersion:
     """What a tensor request must carry, checked before it is queued (None: the handler checks)."""
     explains: bool = False
     """Its handler answers explanation requests (KServe v1's `:explain`)."""
+    streams: bool = False
+    """Its handler answers in parts (`stream`): only streaming endpoints may call it."""
     loaded_at_startup: bool = False
     loaded_at: float = field(default_factory=time.time)
     unloading: bool = False

@@ -170,7 +170,11 @@ class ServerSettings(BaseSettings):
     response_timeout_s: Annotated[float, FlagAliases("--response-timeout")] = Field(
         default=120.0, gt=0
     )
-    """Deadline of one request from arrival to answer; clients may only shorten it."""
+    """Deadline of one request from arrival to answer; clients may only shorten it. A streamed
+    answer's last part must come within it too."""
+    stream_max_unread_parts: int = Field(default=256, ge=1)
+    """Parts of a streamed answer that may wait for a slow client; one more ends the stream
+    (429 / RESOURCE_EXHAUSTED), so no client makes the server buffer without bound."""
     worker_mode: Literal["thread", "process"] = "thread"
     """Default worker kind: `thread` (fastest, shared memory) or `process` (a child process per
     worker, fed through shared memory: a crash, OOM kill or hang takes down one worker, which

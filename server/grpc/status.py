@@ -25,6 +25,7 @@ from scriptserve.server.errors import (
     QueueFull,
     RouteNotFound,
     ServingError,
+    StreamOverrun,
     Unauthenticated,
 )
 
@@ -42,6 +43,7 @@ GRPC_CODES: dict[type[ServingError], grpc.StatusCode] = {
     ModelNotReady: grpc.StatusCode.UNAVAILABLE,
     QueueFull: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    StreamOverrun: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

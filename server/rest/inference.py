@@ -1,11 +1,12 @@
-"""The inference API: TorchServe's `/ping` and `/predictions`, and Open Inference Protocol v2.
+"""The inference API: TorchServe's `/ping` and `/predictions`, Open Inference Protocol v2, and
+Triton's generate extension (`server/rest/streams.py` writes the answers that come in parts).
 
 Routes decode the wire format, call the data plane, and encode its answer; nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,12 +17,17 @@ from starlette.routing import request_response as starlette_request_response
 
 from scriptserve import __version__
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.codec import oip_json, torchserve
+from scriptserve.server.codec import generate, oip_json, torchserve
 from scriptserve.server.codec.header_values import positive_seconds
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
 from scriptserve.server.rest.errors import install_error_handlers
 from scriptserve.server.rest.oip_extensions import add_model_extension_routes
+from scriptserve.server.rest.streams import (
+    generate_answer,
+    generate_stream_answer,
+    predictions_answer,
+)
 from scriptserve.server.settings import ServerSettings
 
 _JSON = "application/json"
@@ -122,16 +128,13 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         return JSONResponse(torchserve.health(ready), 200 if ready else 503)
 
     async def predict(request: Request, model_name: str, version: str | None) -> Response:
+        # Any handler may answer in parts (TorchServe's send_intermediate_predict_response):
+        # the answer is a stream, written in one piece when it came in one.
         inference = await _predictions_request(request, settings)
-        served = await dataplane.infer(
+        stream = dataplane.stream(
             model_name, version, inference, protocol="rest", timeout_s=client_timeout(request)
         )
-        payload, content_type = torchserve.prediction_payload(served.response)
-        # A handler may pick a 2xx status and extra headers (TorchServe handlers do, via context).
-        response = served.response
-        return Response(
-            payload, response.status, headers=response.headers or None, media_type=content_type
-        )
+        return await predictions_answer(stream, request)
 
     # The inference routes are DirectRoutes: they read their own path parameters and skip
     # FastAPI's per-call machinery; they are still described in the OpenAPI document.
@@ -226,4 +229,48 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
         params = request.path_params
         return await infer(request, params["model_name"], params["version"])
 
+    # -- Triton's generate extension ----------------------------------------------------------
+    async def generate_one(request: Request, model_name: str, version: str | None) -> Response:
+        body, headers = await request.body(), request.headers
+        served = await dataplane.infer(
+            model_name, version, lambda: generate.generate_request(body, headers),
+            protocol="rest", timeout_s=client_timeout(request),
+        )  # fmt: skip
+        return generate_answer(served)
+
+    async def generate_stream(request: Request, model_name: str, version: str | None) -> Response:
+        body, headers = await request.body(), request.headers
+        stream = dataplane.stream(
+            model_name, version, lambda: generate.generate_request(body, headers),
+            protocol="rest", timeout_s=client_timeout(request),
+        )  # fmt: skip
+        return await generate_stream_answer(stream, request)
+
+    for suffix, run in (("generate", generate_one), ("generate_stream", generate_stream)):
+        _add_versioned_post(app, f"/v2/models/{{model_name}}/{suffix}", run, "OIP generate")
+
     return app
+
+
+def _add_versioned_post(
+    app: FastAPI,
+    path: str,
+    run: Callable[[Request, str, str | None], Awaitable[Response]],
+    tag: str,
+) -> None:
+    """POST `path` and its `/versions/{version}` form, both calling `run(request, name,
+    version)`."""
+    head, tail = path.rsplit("/", 1)
+
+    async def default(request: Request) -> Response:
+        return await run(request, request.path_params["model_name"], None)
+
+    async def versioned(request: Request) -> Response:
+        params = request.path_params
+        return await run(request, params["model_name"], params["version"])
+
+    default.__name__ = f"{tail}_default"
+    versioned.__name__ = f"{tail}_version"
+    _direct_post(app, path, tag, "model_name")(default)
+    with_version = f"{head}/versions/{{version}}/{tail}"
+    _direct_post(app, with_version, tag, "model_name", "version")(versioned)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
-from scriptserve.handlers.base import InferenceRequest, InferenceResponse, StageTimes
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse, PartSink, StageTimes
 from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.errors import (
     DeadlineExceeded,
@@ -33,6 +33,7 @@ from scriptserve.server.errors import (
     error_for_status,
 )
 from scriptserve.server.metrics import VersionMetrics
+from scriptserve.server.streaming import JobParts
 from scriptserve.server.workers.warmup import WarmupResult
 
 log = logging.getLogger("scriptserve.workers")
@@ -126,9 +127,15 @@ class Runner(Protocol[S]):
         """Before each wait for a batch: replace a lost worker; False ends the slot's loop."""
 
     def run(
-        self, pool: WorkerPool[S], slot: S, requests: list[InferenceRequest], times: StageTimes
+        self,
+        pool: WorkerPool[S],
+        slot: S,
+        requests: list[InferenceRequest],
+        times: StageTimes,
+        parts: PartSink,
     ) -> list[InferenceResponse]:
-        """One response per request, the batch's stages timed into `times`; raises WorkerLost."""
+        """One response per request, the batch's stages timed into `times`, streamed parts
+        sent to `parts`; raises WorkerLost."""
 
     def watch(self, pool: WorkerPool[S]) -> None:
         """Body of the pool's watcher thread; returns once `pool.closed` is set."""
@@ -360,6 +367,15 @@ class WorkerPool(Generic[S]):
             if batch.jobs:
                 self._run(slot, batch.jobs)
 
+    def _parts(self, jobs: list[Job]) -> JobParts:
+        """Where the batch's streamed parts go: each job's stream; a job without one (its
+        client takes one answer) is refused."""
+
+        def finish(index: int, outcome: object) -> None:
+            hand_back([jobs[index]], [outcome])
+
+        return JobParts([j.future for j in jobs], [j.stream for j in jobs], finish, self.model)
+
     def _run(self, slot: S, jobs: list[Job]) -> None:
         self.metrics.observe_taken([job.dequeued - job.enqueued for job in jobs])
         slot.busy_since = time.monotonic()
@@ -368,7 +384,7 @@ class WorkerPool(Generic[S]):
         times = StageTimes()
         started = time.perf_counter()
         try:
-            responses = self.runner.run(self, slot, requests, times)
+            responses = self.runner.run(self, slot, requests, times, self._parts(jobs))
         except WorkerLost as lost:
             fail_jobs(jobs, lost.error)
             return

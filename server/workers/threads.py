@@ -30,6 +30,7 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
+    PartSink,
     StageTimes,
     load_failure,
     run_batch,
@@ -142,8 +143,9 @@ class ThreadRunner:
         slot: ThreadSlot,
         requests: list[InferenceRequest],
         times: StageTimes,
+        parts: PartSink,
     ) -> list[InferenceResponse]:
-        responses = run_batch(slot.handler, requests, slot.context, times)
+        responses = run_batch(slot.handler, requests, slot.context, times, parts)
         if slot.abandoned:
             log.warning(
                 "model=%s version=%s request_ids=%s worker %d returned after %.1f s, past its "

@@ -10,6 +10,9 @@ It talks to its slot's thread in the server over one pipe, in small messages:
   spent reading and preprocessing the batch, and postprocessing and writing its answers (Triton's
   compute_input and compute_output); when they do not fit it first
   sends `("grow", bytes_needed)` and receives `("output", segment, size)`;
+- a streaming handler's parts go as `("parts", [part or None per request])` while the batch
+  runs, each answered with `("listening", bool)`: False when no request still listens, and the
+  handler is stopped with `StreamClosed`;
 - `("stop",)` or the pipe closing ends it. It also ends when the server process goes away,
   even in the middle of a handler call, so no worker outlives its server.
 """
@@ -21,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
@@ -32,6 +36,7 @@ from scriptserve.handlers.base import (
     InferenceRequest,
     InferenceResponse,
     StageTimes,
+    StreamClosed,
     load_failure,
     run_batch,
 )
@@ -105,6 +110,25 @@ def _describe_responses(
         return [frames.describe_response(frame, failed) for _ in responses]
 
 
+class _PipeParts:
+    """The batch's parts go to the server over the pipe; it says whether anyone listens."""
+
+    def __init__(self, conn: Connection, batch_size: int) -> None:
+        self._conn = conn
+        self._batch_size = batch_size
+
+    def send(self, parts: Sequence[InferenceResponse | None]) -> None:
+        if len(parts) != self._batch_size:  # checked here: the server only relays the answer
+            raise ValueError(
+                f"{len(parts)} parts were sent for a batch of {self._batch_size} requests; "
+                "send one part (or None) per request"
+            )
+        self._conn.send(("parts", list(parts)))
+        _, listening = self._conn.recv()
+        if not listening:
+            raise StreamClosed()
+
+
 def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
     segments = _Segments()
     while True:
@@ -120,7 +144,7 @@ def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
         requests = [frames.read_request(buf, d) for d in described]
         del buf
         times = StageTimes(input_s=time.perf_counter() - started)
-        responses = run_batch(handler, requests, context, times)
+        responses = run_batch(handler, requests, context, times, _PipeParts(conn, len(requests)))
         extracting = time.perf_counter()
         frame = frames.Frame()
         metas = _describe_responses(frame, requests, responses, context)

@@ -35,7 +35,9 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
+    PartSink,
     StageTimes,
+    StreamClosed,
 )
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
 from scriptserve.server.workers.pool import (
@@ -158,12 +160,13 @@ class ProcessRunner:
         slot: ProcessSlot,
         requests: list[InferenceRequest],
         times: StageTimes,
+        parts: PartSink,
     ) -> list[InferenceResponse]:
         child = slot.child
         if child is None:  # `prepare` gave it one; `stop` may have ended it since
             raise WorkerLost(ModelNotReady("the model was stopped before this request ran"))
         try:
-            responses = self._exchange(slot, child, requests, times)
+            responses = self._exchange(slot, child, requests, times, parts)
         except WorkerGone as exc:
             when = f"({exc}) while running this request"
             raise WorkerLost(self._lost(pool, slot, requests, when)) from None
@@ -262,9 +265,11 @@ class ProcessRunner:
         child: Child,
         requests: list[InferenceRequest],
         times: StageTimes,
+        parts: PartSink,
     ) -> list[InferenceResponse]:
         """Send a batch to the worker process and read its responses back; the hand-over both
-        ways counts into the batch's input and output stages, with the worker's own."""
+        ways counts into the batch's input and output stages, with the worker's own. Parts a
+        streaming handler sends come first, each step answered with whether anyone listens."""
         started = perf_counter()
         frame = frames.Frame()
         described = [frames.describe_request(frame, request) for request in requests]
@@ -278,6 +283,14 @@ class ProcessRunner:
             if reply[0] == "grow":  # the responses need a bigger segment
                 slot.responses = frames.ensure_segment(slot.responses, reply[1])
                 child.send(("output", slot.responses.name, slot.responses.size))
+                continue
+            if reply[0] == "parts":
+                try:
+                    parts.send(reply[1])
+                except StreamClosed:
+                    child.send(("listening", False))
+                else:
+                    child.send(("listening", True))
                 continue
             _, metas, (input_s, output_s) = reply
             reading = perf_counter()

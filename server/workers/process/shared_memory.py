@@ -156,6 +156,7 @@ def describe_response(frame: Frame, response: InferenceResponse) -> dict[str, An
         "content_type": response.content_type,
         "error": response.error,
         "status": response.status,
+        "final": response.final,
     }
 
 
@@ -172,4 +173,5 @@ def read_response(buf: memoryview, described: dict[str, Any]) -> InferenceRespon
         content_type=described["content_type"],
         error=described["error"],
         status=described["status"],
+        final=described["final"],
     )
