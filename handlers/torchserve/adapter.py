@@ -10,14 +10,16 @@ For tensor requests a numeric result is also the output tensor `predict` (TorchS
 envelope's name), or one output per key of a dict of numbers.
 
 As in TorchServe, a `PredictionException` fails every request of the batch with its code, and a
-result list whose length differs from the batch fails every request of the batch.
+result list whose length differs from the batch fails every request of the batch. A handler that
+calls `send_intermediate_predict_response` streams: each call sends one part per request, and
+what `handle` returns is each request's last part.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +34,7 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
+    send_parts,
 )
 from scriptserve.handlers.legacy_names import legacy_names
 from scriptserve.handlers.torchserve.ts.context import Context as TsContext
@@ -129,6 +132,31 @@ def _response(value: Any, processor: RequestProcessor, tensors: bool) -> Inferen
     )
 
 
+def send_intermediate(
+    ret: list[Any], req_id_map: Mapping[int, str], code: int, context: Any
+) -> None:
+    """TorchServe's `send_intermediate_predict_response`: `ret[i]` is request i's next part,
+    encoded as `handle`'s results are; raises StreamClosed once no client of the batch listens."""
+    if not isinstance(context, TsContext) or not isinstance(ret, list):
+        raise HandlerError(
+            "send_intermediate_predict_response(ret, context.request_ids, message, code, "
+            "context) takes the batch's list of results and the handler's context"
+        )
+    if len(ret) != len(req_id_map):
+        raise HandlerError(
+            f"send_intermediate_predict_response was given {len(ret)} results for a batch of "
+            f"{len(req_id_map)} requests; give one per request"
+        )
+    tensors = context.tensor_requests or [False] * len(ret)
+    parts = [
+        _response(value, processor, wants)
+        if code < 400
+        else InferenceResponse(error=str(value), status=code, final=True)
+        for value, processor, wants in zip(ret, context.request_processor, tensors, strict=True)
+    ]
+    send_parts(parts)
+
+
 class TorchServeHandler(BaseHandler):
     """Runs a TorchServe handler; subclasses set `entry` (handlers.loader builds them)."""
 
@@ -174,6 +202,7 @@ class TorchServeHandler(BaseHandler):
         ts_context.request_ids = {i: r.request_id for i, r in enumerate(requests)}
         ts_context.metrics.request_ids = ts_context.request_ids
         ts_context.request_processor = [RequestProcessor(r.headers) for r in requests]
+        ts_context.tensor_requests = [bool(r.inputs) for r in requests]
         data = [request_row(r) for r in requests]
         ids = ",".join(r.request_id for r in requests)
         # The worker running this handler holds `legacy_names()` open for its whole life.

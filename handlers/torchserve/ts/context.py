@@ -77,6 +77,8 @@ class Context:
         }
         self.request_ids: dict[int, str] = {}
         self.request_processor: list[RequestProcessor] = []
+        self.tensor_requests: list[bool] = []
+        """Per request of the batch: it came with tensors (Open Inference Protocol)."""
         self._metrics = metrics if metrics is not None else MetricsCache(model_name)
         self._limit_max_image_pixels = limit_max_image_pixels
         self.model_yaml_config: dict[str, Any] = model_yaml_config or {}
