@@ -17,16 +17,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
-import numpy as np
-
-from scriptserve import __version__
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
-from scriptserve.server.batching import DynamicBatcher, Job
-from scriptserve.server.codec.tensors import check_signature, select_outputs
-from scriptserve.server.description import ModelMetadata, quantization_parameters
+from scriptserve.server.admission import (
+    Request,
+    Served,
+    cancelled_status,
+    decode_checked,
+    decoded,
+    expire,
+    served_by,
+)
+from scriptserve.server.batching import Job
+from scriptserve.server.description import DescribesModels
 from scriptserve.server.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -36,96 +39,19 @@ from scriptserve.server.errors import (
     error_for_status,
 )
 from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.model_configuration import model_configuration
 from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.streaming import PartStream, StreamRefused
 
 log = logging.getLogger("scriptserve.dataplane")
 
-SERVER_NAME = "scriptserve"
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
-"""The Open Inference Protocol extensions the server implements (Triton's names), on REST and
-gRPC alike."""
 UNKNOWN_LABEL = "_unknown"
 """Metric label of a model or version the registry does not hold (no model name starts with _)."""
-CLIENT_CLOSED = 499
-"""Metric status of a request whose client went away first (nginx's "client closed request")."""
-DEADLINE_SLACK_S = 0.05
-"""How near its deadline a call counts as expired: the client's timer and the server's differ by
-the network's latency, so a client's cancel may arrive just before the server's deadline."""
-_PLATFORMS = {
-    "pt2": "pytorch_aotinductor",
-    "torchscript": "pytorch_torchscript",
-    "onnx": "onnxruntime_onnx",
-}
-"""OIP's `platform` (`<framework>_<format>`) by model format."""
 
 
-def _cancelled_status(started: float, timeout_s: float | None) -> int:
-    """The status of a call that was cancelled: its client went away (499), or its own
-    deadline ended it first (504); neither is a server error."""
-    elapsed = time.perf_counter() - started
-    expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
-    return DeadlineExceeded.status if expired else CLIENT_CLOSED
+class DataPlane(DescribesModels):
+    """Inference, health and descriptions of the served models (see the module docstring)."""
 
-
-@dataclass(frozen=True)
-class Served:
-    """A request's answer and the model version that gave it."""
-
-    model_name: str
-    model_version: str
-    response: InferenceResponse
-    outputs: list[tuple[str, np.ndarray]] = field(default_factory=list)
-    """The output tensors a tensor protocol answers with, selected and ordered; empty when the
-    request asked for the handler's answer as it is (TorchServe's predictions)."""
-
-
-Request = InferenceRequest | Callable[[], InferenceRequest]
-"""A request, or the function that decodes it from the wire (it raises InvalidInput)."""
-T = TypeVar("T")
-
-
-def _decode(mv: ModelVersion, decode: Callable[[], T]) -> T:
-    """Decode what the client sent, once the model is known to serve: whatever cannot be decoded
-    is the client's error (400), never the server's."""
-    try:
-        return decode()
-    except ServingError:
-        raise
-    except Exception as exc:
-        log.debug("model=%s a request could not be decoded: %r", mv.name, exc)
-        raise InvalidInput(
-            f"the request could not be decoded ({type(exc).__name__}); check it against "
-            f"the model's metadata (GET /v2/models/{mv.name})"
-        ) from None
-
-
-def _decoded(mv: ModelVersion, request: Request) -> InferenceRequest:
-    """The request as the model's worker will see it, checked before it is queued."""
-    if not isinstance(request, InferenceRequest):
-        request = _decode(mv, request)
-    if mv.request_signature is not None and request.outputs is not None:
-        check_signature(mv.name, mv.request_signature, request.inputs)
-    return request
-
-
-def _served(mv: ModelVersion, response: InferenceResponse, outputs: Sequence[str] | None) -> Served:
-    if outputs is None:
-        return Served(mv.name, mv.version, response)
-    return Served(mv.name, mv.version, response, select_outputs(mv.name, response.outputs, outputs))
-
-
-def _expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
-    if not job.future.done():
-        batcher.cancel(job)
-        job.future.set_exception(
-            DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s")
-        )
-
-
-class DataPlane:
     def __init__(
         self, registry: ModelRegistry, metrics: ServerMetrics, settings: ServerSettings
     ) -> None:
@@ -160,48 +86,6 @@ class DataPlane:
     def model_ready(self, name: str, version: str | None = None) -> bool:
         return not self.draining and self.registry.get(name, version).ready
 
-    def model_names(self) -> list[str]:
-        """Every registered model, ready or not (KServe v1's model list)."""
-        return self.registry.names()
-
-    def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
-
-    def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
-        mv = self.registry.get(name, version)
-        if mv.manifest is None:
-            raise ModelNotReady(f"model {name!r} failed to load: {mv.reason}")
-        signature = mv.manifest.signature
-        return ModelMetadata(
-            name=mv.name,
-            versions=[v.version for v in self.registry.versions(name)],
-            platform=_PLATFORMS.get(mv.manifest.model_format, mv.manifest.model_format),
-            inputs=signature.inputs,
-            outputs=signature.outputs,
-            parameters=quantization_parameters(mv),
-        )
-
-    def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """Triton's model configuration of a version, as JSON (`server/model_configuration.py`)."""
-        meta = self.model_metadata(name, version)
-        mv = self.registry.get(name, version)
-        parameters = {"worker_mode": mv.settings.worker_mode, **meta.parameters}
-        return model_configuration(mv, meta.platform, parameters)
-
-    def statistics(self, name: str | None = None, version: str | None = None) -> list[Any]:
-        """Triton's statistics (`server/statistics.py`) of every loaded version, of every
-        version of model `name`, or of one version."""
-        if name is None:
-            versions = [mv for mv in self.registry.all_versions() if isinstance(mv, ModelVersion)]
-        elif version is None:
-            versions = [mv for mv in self.registry.versions(name) if isinstance(mv, ModelVersion)]
-            if not versions:
-                self.registry.get(name)  # says why the model has none (it failed to load)
-        else:
-            versions = [self.registry.get(name, version)]
-        versions.sort(key=lambda mv: (mv.name, mv.version))
-        return [self.metrics.statistics_of(mv.name, mv.version).snapshot() for mv in versions]
-
     # -- inference ---------------------------------------------------------------------------
     async def infer(
         self,
@@ -219,7 +103,7 @@ class DataPlane:
         mv: ModelVersion | None = None
         try:
             mv = self._serving(name, version)
-            job, timer = self._enqueue(mv, _decoded(mv, request), timeout_s)
+            job, timer = self._enqueue(mv, decoded(mv, request), timeout_s)
             self._enter(mv)
             try:
                 response = await job.future
@@ -229,14 +113,14 @@ class DataPlane:
             finally:
                 timer.cancel()
                 self._leave(mv)
-            served = _served(mv, response, job.request.outputs)
+            served = served_by(mv, response, job.request.outputs)
             status = 200
             return served
         except ServingError as exc:
             status = exc.status
             raise
         except asyncio.CancelledError:
-            status = _cancelled_status(started, timeout_s)
+            status = cancelled_status(started, timeout_s)
             raise
         finally:
             labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
@@ -258,7 +142,7 @@ class DataPlane:
         outcome: asyncio.Future[Served] = loop.create_future()
         try:
             mv = self._serving(name, version)
-            job, timer = self._enqueue(mv, _decoded(mv, request), timeout_s)
+            job, timer = self._enqueue(mv, decoded(mv, request), timeout_s)
         except ServingError as exc:
             outcome.set_exception(exc)
             elapsed = time.perf_counter() - started
@@ -266,31 +150,26 @@ class DataPlane:
             return outcome
         self._enter(mv)
 
-        def finished(future: asyncio.Future[InferenceResponse]) -> None:
-            timer.cancel()
-            self._leave(mv)
-            status = 200
-            if future.cancelled():
-                mv.batcher.cancel(job)  # the stream ended: free the slot, leave the worker be
-                status = CLIENT_CLOSED
-            elif (error := future.exception()) is not None:
-                status = error.status if isinstance(error, ServingError) else 500
-                if not outcome.done():
-                    outcome.set_exception(error)
-            elif not outcome.done():
+        def answer(future: asyncio.Future[InferenceResponse]) -> int:
+            error = future.exception()
+            if error is None:
                 try:
-                    outcome.set_result(_served(mv, future.result(), job.request.outputs))
+                    served = served_by(mv, future.result(), job.request.outputs)
                 except ServingError as exc:
-                    status = exc.status
-                    outcome.set_exception(exc)
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(mv.name, mv.version, protocol, status, elapsed)
+                    error = exc
+                else:
+                    if not outcome.done():
+                        outcome.set_result(served)
+                    return 200
+            if not outcome.done():
+                outcome.set_exception(error)
+            return getattr(error, "status", 500)
 
         def withdrawn(future: asyncio.Future[Served]) -> None:
             if future.cancelled():
                 job.future.cancel()
 
-        job.future.add_done_callback(finished)
+        self._track(mv, job, timer, protocol, started, timeout_s, answer)
         outcome.add_done_callback(withdrawn)
         return outcome
 
@@ -322,7 +201,7 @@ class DataPlane:
                     "them); ask for predictions instead",
                     status=501,
                 )
-            requests = [_decoded(mv, request) for request in _decode(mv, decode)]
+            requests = [decoded(mv, request) for request in decode_checked(mv, decode)]
             if len(requests) > mv.settings.queue_size:
                 raise InvalidInput(
                     f"{len(requests)} {item}s are more than model {name!r} queues "
@@ -342,14 +221,14 @@ class DataPlane:
                     raise error_for_status(error.status, f"{item} {i}: {error.message}")
                 if error is not None:
                     raise error
-            served = [_served(mv, job.future.result(), job.request.outputs) for job, _ in queued]
+            served = [served_by(mv, job.future.result(), job.request.outputs) for job, _ in queued]
             status = 200
             return served
         except ServingError as exc:
             status = exc.status
             raise
         except asyncio.CancelledError:
-            status = _cancelled_status(started, timeout_s)
+            status = cancelled_status(started, timeout_s)
             raise
         finally:
             for job, timer in queued:
@@ -379,19 +258,39 @@ class DataPlane:
         started = time.perf_counter()
         try:
             mv = self._serving(name, version, streaming=True)
-            job, timer = self._enqueue(mv, _decoded(mv, request), timeout_s, stream=True)
+            job, timer = self._enqueue(mv, decoded(mv, request), timeout_s, stream=True)
         except ServingError as exc:
             elapsed = time.perf_counter() - started
             self.metrics.observe_request(*self._unknown(name), protocol, exc.status, elapsed)
             raise
         self._enter(mv)
 
+        self._track(mv, job, timer, protocol, started, timeout_s)
+        assert job.stream is not None
+        return job.stream
+
+    def _track(
+        self,
+        mv: ModelVersion,
+        job: Job,
+        timer: asyncio.TimerHandle,
+        protocol: str,
+        started: float,
+        timeout_s: float | None,
+        answer: Callable[[asyncio.Future[InferenceResponse]], int] | None = None,
+    ) -> None:
+        """Once the job's future is done: stop its timer, leave the in-flight count and count
+        the outcome. `answer` passes a finished (not cancelled) outcome on, and says with which
+        status it ended."""
+
         def finished(future: asyncio.Future[InferenceResponse]) -> None:
             timer.cancel()
             self._leave(mv)
             if future.cancelled():
                 mv.batcher.cancel(job)  # the client went away: free its slot if still queued
-                status = _cancelled_status(started, timeout_s)
+                status = cancelled_status(started, timeout_s)
+            elif answer is not None:
+                status = answer(future)
             else:
                 error = future.exception()
                 status = 200 if error is None else getattr(error, "status", 500)
@@ -399,8 +298,6 @@ class DataPlane:
             self.metrics.observe_request(mv.name, mv.version, protocol, status, elapsed)
 
         job.future.add_done_callback(finished)
-        assert job.stream is not None
-        return job.stream
 
     def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
         if self.draining:
@@ -440,12 +337,12 @@ class DataPlane:
             job.stream = PartStream(
                 job.future,
                 self.settings.stream_max_unread_parts,
-                lambda response: _served(mv, response, outputs),
+                lambda response: served_by(mv, response, outputs),
                 model=(mv.name, mv.version),
                 streaming=mv.streams,
             )
         mv.batcher.submit(job)
-        return job, loop.call_later(budget, _expire, job, mv.batcher, budget)
+        return job, loop.call_later(budget, expire, job, mv.batcher, budget)
 
     def _enter(self, mv: ModelVersion) -> None:
         key = (mv.name, mv.version)

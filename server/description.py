@@ -1,13 +1,30 @@
-"""How a model version is described to clients: TorchServe's describe record, OIP metadata, and
-whether it serves an int8 model."""
+"""How the server and its model versions are described to clients: OIP server and model
+metadata, Triton's model configuration and statistics, TorchServe's describe record, and
+whether a version serves an int8 model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from scriptserve import __version__
 from scriptserve.archiver.signature import TensorSpec
-from scriptserve.server.registry import RegisteredVersion
+from scriptserve.server.errors import ModelNotReady
+from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.model_configuration import model_configuration
+from scriptserve.server.registry import ModelRegistry, ModelVersion, RegisteredVersion
+
+SERVER_NAME = "scriptserve"
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
+"""The Open Inference Protocol extensions the server implements (Triton's names), on REST and
+gRPC alike."""
+
+_PLATFORMS = {
+    "pt2": "pytorch_aotinductor",
+    "torchscript": "pytorch_torchscript",
+    "onnx": "onnxruntime_onnx",
+}
+"""OIP's `platform` (`<framework>_<format>`) by model format."""
 
 
 @dataclass(frozen=True)
@@ -75,3 +92,52 @@ def describe_version(mv: RegisteredVersion, is_default: bool, inflight: int) -> 
             "inFlightRequests": inflight,
         },
     }
+
+
+class DescribesModels:
+    """What the data plane says about the server and the models its registry holds."""
+
+    registry: ModelRegistry
+    metrics: ServerMetrics
+
+    def model_names(self) -> list[str]:
+        """Every registered model, ready or not (KServe v1's model list)."""
+        return self.registry.names()
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
+        mv = self.registry.get(name, version)
+        if mv.manifest is None:
+            raise ModelNotReady(f"model {name!r} failed to load: {mv.reason}")
+        signature = mv.manifest.signature
+        return ModelMetadata(
+            name=mv.name,
+            versions=[v.version for v in self.registry.versions(name)],
+            platform=_PLATFORMS.get(mv.manifest.model_format, mv.manifest.model_format),
+            inputs=signature.inputs,
+            outputs=signature.outputs,
+            parameters=quantization_parameters(mv),
+        )
+
+    def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Triton's model configuration of a version, as JSON (`server/model_configuration.py`)."""
+        meta = self.model_metadata(name, version)
+        mv = self.registry.get(name, version)
+        parameters = {"worker_mode": mv.settings.worker_mode, **meta.parameters}
+        return model_configuration(mv, meta.platform, parameters)
+
+    def statistics(self, name: str | None = None, version: str | None = None) -> list[Any]:
+        """Triton's statistics (`server/statistics.py`) of every loaded version, of every
+        version of model `name`, or of one version."""
+        if name is None:
+            versions = [mv for mv in self.registry.all_versions() if isinstance(mv, ModelVersion)]
+        elif version is None:
+            versions = [mv for mv in self.registry.versions(name) if isinstance(mv, ModelVersion)]
+            if not versions:
+                self.registry.get(name)  # says why the model has none (it failed to load)
+        else:
+            versions = [self.registry.get(name, version)]
+        versions.sort(key=lambda mv: (mv.name, mv.version))
+        return [self.metrics.statistics_of(mv.name, mv.version).snapshot() for mv in versions]

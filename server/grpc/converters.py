@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
+from scriptserve.server.admission import Served
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,
@@ -29,7 +30,6 @@ from scriptserve.server.codec.tensors import (
     from_values,
     tensor_dtype,
 )
-from scriptserve.server.dataplane import Served
 from scriptserve.server.description import ModelMetadata
 from scriptserve.server.errors import InvalidInput, ServingError
 

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import grpc
 
-from scriptserve.server.dataplane import DEADLINE_SLACK_S
+from scriptserve.server.admission import DEADLINE_SLACK_S
 from scriptserve.server.errors import (
     Conflict,
     DeadlineExceeded,

@@ -19,8 +19,8 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from scriptserve.handlers.base import InferenceResponse
+from scriptserve.server.admission import Served
 from scriptserve.server.codec import generate, torchserve
-from scriptserve.server.dataplane import Served
 from scriptserve.server.errors import ServingError
 from scriptserve.server.rest.errors import error_body
 from scriptserve.server.streaming import PartStream

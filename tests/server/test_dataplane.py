@@ -16,7 +16,8 @@ from torch import nn
 
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.dataplane import DataPlane, Served
+from scriptserve.server.admission import Served
+from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import (
     InvalidInput,
     ModelNotFound,

@@ -1,0 +1,95 @@
+"""What happens to a request before and after a worker runs it: decoded once its model is known
+to serve (what cannot be decoded is the client's error), checked against the model's signature,
+expired at its deadline, and its answer named by the version that gave it (`Served`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.server.batching import DynamicBatcher, Job
+from scriptserve.server.codec.tensors import check_signature, select_outputs
+from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ServingError
+from scriptserve.server.registry import ModelVersion
+
+log = logging.getLogger("scriptserve.dataplane")
+
+CLIENT_CLOSED = 499
+"""Metric status of a request whose client went away first (nginx's "client closed request")."""
+DEADLINE_SLACK_S = 0.05
+"""How near its deadline a call counts as expired: the client's timer and the server's differ by
+the network's latency, so a client's cancel may arrive just before the server's deadline."""
+
+
+def cancelled_status(started: float, timeout_s: float | None) -> int:
+    """The status of a call that was cancelled: its client went away (499), or its own
+    deadline ended it first (504); neither is a server error."""
+    elapsed = time.perf_counter() - started
+    expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
+    return DeadlineExceeded.status if expired else CLIENT_CLOSED
+
+
+@dataclass(frozen=True)
+class Served:
+    """A request's answer and the model version that gave it."""
+
+    model_name: str
+    model_version: str
+    response: InferenceResponse
+    outputs: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    """The output tensors a tensor protocol answers with, selected and ordered; empty when the
+    request asked for the handler's answer as it is (TorchServe's predictions)."""
+
+
+Request = InferenceRequest | Callable[[], InferenceRequest]
+"""A request, or the function that decodes it from the wire (it raises InvalidInput)."""
+T = TypeVar("T")
+
+
+def decode_checked(mv: ModelVersion, decode: Callable[[], T]) -> T:
+    """Decode what the client sent, once the model is known to serve: whatever cannot be decoded
+    is the client's error (400), never the server's."""
+    try:
+        return decode()
+    except ServingError:
+        raise
+    except Exception as exc:
+        log.debug("model=%s a request could not be decoded: %r", mv.name, exc)
+        raise InvalidInput(
+            f"the request could not be decoded ({type(exc).__name__}); check it against "
+            f"the model's metadata (GET /v2/models/{mv.name})"
+        ) from None
+
+
+def decoded(mv: ModelVersion, request: Request) -> InferenceRequest:
+    """The request as the model's worker will see it, checked before it is queued."""
+    if not isinstance(request, InferenceRequest):
+        request = decode_checked(mv, request)
+    if mv.request_signature is not None and request.outputs is not None:
+        check_signature(mv.name, mv.request_signature, request.inputs)
+    return request
+
+
+def served_by(
+    mv: ModelVersion, response: InferenceResponse, outputs: Sequence[str] | None
+) -> Served:
+    """The answer as the client gets it: with the outputs a tensor protocol asked for."""
+    if outputs is None:
+        return Served(mv.name, mv.version, response)
+    return Served(mv.name, mv.version, response, select_outputs(mv.name, response.outputs, outputs))
+
+
+def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
+    """The deadline timer's end: a job not answered yet is withdrawn and answered 504."""
+    if not job.future.done():
+        batcher.cancel(job)
+        job.future.set_exception(
+            DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s")
+        )
