@@ -29,7 +29,7 @@ from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, find_archives
 from scriptserve.server.repository import ModelRepository
-from scriptserve.server.rest.connections import ConnectionLimits, HttpConnections
+from scriptserve.server.rest.connection_limits import ConnectionLimits, HttpConnections
 from scriptserve.server.rest.guard import guarded
 from scriptserve.server.rest.inference import create_inference_app
 from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_routes

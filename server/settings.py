@@ -219,6 +219,9 @@ class ServerSettings(BaseSettings):
     http_body_timeout_s: float = Field(default=30.0, gt=0)
     """Longest pause between two reads of a request body (nginx's client_body_timeout); then
     408 and the connection closes."""
+    http_send_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest time a client may leave an answer's bytes unread while the server has more to
+    write (nginx's send_timeout); then the connection closes (a stalled stream ends)."""
     http_max_header_bytes: int = Field(default=61440, ge=1024)
     """Largest request line plus headers (Envoy's max_request_headers_kb, 60 KiB); larger: 431
     and the connection closes without reading the rest."""

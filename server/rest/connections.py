@@ -11,12 +11,14 @@ and adds, after nginx and Envoy:
   plain close when nothing did;
 - a time limit for the body, as idle time between two reads (nginx `client_body_timeout`): 408
   when the app has not answered yet, else a close;
+- a time limit for a client that stops reading the answer while the server has more to write
+  (nginx `send_timeout`): the connection closes, ending a stalled stream;
 - a size limit for the request line and headers together (Envoy `max_request_headers_kb`,
   answered as Envoy does: 431). Bytes are counted before the parser sees them, so an endless
   header is never buffered;
-- a limit on open connections across the HTTP servers: at the limit a new connection closes
-  the longest-idle one (a keep-alive connection between requests, or one that has sent
-  nothing yet); only when none is idle is it answered 503 and closed;
+- a limit on open connections across the HTTP servers (`connection_limits.HttpConnections`):
+  at the limit a new connection closes the longest-idle one; only when none is idle is it
+  answered 503 and closed;
 - while the server drains, `Connection: close` on every response that starts, so no client
   sends another request on a connection that is about to close.
 
@@ -32,16 +34,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
-import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 if TYPE_CHECKING:
-    from scriptserve.server.settings import ServerSettings
+    from scriptserve.server.rest.connection_limits import HttpConnections
 
 log = logging.getLogger("scriptserve.rest.connections")
 
@@ -49,137 +48,7 @@ LINGER_S = 1.0
 """How long a connection answered with an error reads (and drops) what the client still sends."""
 LINGER_BYTES = 1 << 20
 """Most bytes read and dropped while lingering; then the connection is closed at once."""
-FD_RESERVE = 256
-"""File descriptors kept for everything but HTTP connections (models, workers, gRPC, logs)."""
 _HEAD_END = b"\r\n\r\n"
-_REFUSAL_LOG_INTERVAL_S = 60.0
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """The limits every HTTP connection of the process is held to."""
-
-    header_timeout_s: float
-    body_timeout_s: float
-    max_header_bytes: int
-    max_connections: int
-
-    @classmethod
-    def from_settings(cls, settings: ServerSettings) -> ConnectionLimits:
-        return cls(
-            header_timeout_s=settings.http_header_timeout_s,
-            body_timeout_s=settings.http_body_timeout_s,
-            max_header_bytes=settings.http_max_header_bytes,
-            max_connections=connection_budget(settings.http_max_connections),
-        )
-
-
-def connection_budget(requested: int) -> int:
-    """`requested`, or fewer where the open-file limit would run out first: without that
-    headroom, accept() fails once the process has no descriptor left, and nothing is served."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return requested
-    budget = max(soft // 2, soft - FD_RESERVE)
-    if requested <= budget:
-        return requested
-    log.warning(
-        "http_max_connections %d would exhaust the open-file limit (%d): using %d; raise the "
-        "limit (ulimit -n) to allow more",
-        requested, soft, budget,
-    )  # fmt: skip
-    return budget
-
-
-class HttpConnections:
-    """The HTTP connections of the process: the open ones, the idle ones in the order they
-    became idle, and whether the server drains. One instance serves every HTTP server, so idle
-    connections on one port cannot starve another.
-
-        connections = HttpConnections(ConnectionLimits.from_settings(settings))
-        uvicorn.Config(app, http=connections.protocol_class())
-    """
-
-    def __init__(self, limits: ConnectionLimits) -> None:
-        self.limits = limits
-        self.open: set[LimitedHttpProtocol] = set()
-        self.idle: dict[LimitedHttpProtocol, None] = {}
-        """Idle connections, oldest first (a dict keeps insertion order)."""
-        self.draining = False
-        self._all_closed = asyncio.Event()
-        self._refused = 0
-        self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
-
-    def protocol_class(self) -> type[LimitedHttpProtocol]:
-        """The protocol class to give uvicorn.Config as `http=`, bound to these connections."""
-        connections = self
-
-        class BoundHttpProtocol(LimitedHttpProtocol):
-            pool = connections
-
-        return BoundHttpProtocol
-
-    def admit(self, connection: LimitedHttpProtocol) -> bool:
-        """Count a new connection in, closing the longest-idle one if the limit is reached;
-        False when the limit is reached and no connection is idle."""
-        if len(self.open) >= self.limits.max_connections:
-            if not self.idle:
-                self._log_refusal()
-                return False
-            oldest = next(iter(self.idle))
-            log.debug("connection limit reached: closing the longest-idle connection")
-            self.forget(oldest)
-            oldest.transport.close()
-        self.open.add(connection)
-        self.idle[connection] = None
-        return True
-
-    def forget(self, connection: LimitedHttpProtocol) -> None:
-        self.open.discard(connection)
-        self.idle.pop(connection, None)
-        if self.draining and not self.open:
-            self._all_closed.set()
-
-    def drain(self) -> None:
-        """From now on every response that starts carries `Connection: close`."""
-        self.draining = True
-        for connection in list(self.open):
-            connection.close_after_response()
-        if not self.open:
-            self._all_closed.set()
-
-    def close_idle(self) -> None:
-        """Close the keep-alive connections waiting between requests. One that has not sent its
-        first request yet is left to send it (it was accepted, its client is sending) or to
-        reach the header timeout."""
-        for connection in list(self.idle):
-            if connection.requests:
-                self.forget(connection)
-                connection.transport.close()
-
-    async def wait_closed(self, timeout_s: float) -> bool:
-        """Wait (while draining) until no connection is open; False at the timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.open:
-            self._all_closed.clear()
-            try:
-                await asyncio.wait_for(self._all_closed.wait(), deadline - loop.time())
-            except TimeoutError:
-                return False
-        return True
-
-    def _log_refusal(self) -> None:
-        self._refused += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            log.warning(
-                "%d connection(s) answered 503: http_max_connections (%d) are open and none "
-                "is idle",
-                self._refused, self.limits.max_connections,
-            )  # fmt: skip
-            self._refused = 0
-            self._refusal_logged_at = now
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -203,6 +72,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_body = False
         self._body_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._idle = False
         self._linger_left: int | None = None
         self.requests = 0
@@ -219,9 +89,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._timer = self.loop.call_later(self._header_timeout_s, self._header_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._send_timer = None
         self.pool.forget(self)
         super().connection_lost(exc)
 
@@ -276,6 +147,22 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_later(self._body_timeout_s, self._body_timed_out)
         else:
             self._timer = self.loop.call_later(self._header_timeout_s, self._header_timed_out)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        timeout = self.pool.limits.send_timeout_s
+        self._send_timer = self.loop.call_later(timeout, self._send_timed_out, timeout)
+
+    def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().resume_writing()
+
+    def _send_timed_out(self, timeout_s: float) -> None:
+        self._send_timer = None
+        log.debug("a client read none of its answer for %g s: connection closed", timeout_s)
+        self.transport.abort()
 
     # -- parser callbacks ------------------------------------------------------------------
     def on_headers_complete(self) -> None:

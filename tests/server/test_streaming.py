@@ -5,7 +5,9 @@ does to the server (nothing lasting)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +23,7 @@ from torchserve.tsarchives import torch_model_archiver, write
 from scriptserve.archiver.cli import model_archiver_main
 
 MAX_UNREAD = 64
+SEND_TIMEOUT_S = 4.0
 SLOW_MATMULS = 60
 """TinyLM's busy work per token for `slowlm`: about 30 ms a token on one core."""
 
@@ -86,7 +89,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, lm: TinyLM) -> Iterator[Ser
     )
     proc = ServerProcess(
         store, "--workers", "1", "--max-batch-delay", "20", "--enable-model-api",
-        "--stream-max-unread-parts", str(MAX_UNREAD),
+        "--stream-max-unread-parts", str(MAX_UNREAD), "--http-send-timeout-s", str(SEND_TIMEOUT_S),
     ).start()  # fmt: skip
     yield proc
     proc.stop()
@@ -265,6 +268,28 @@ def test_a_slow_reader_cannot_make_the_server_buffer(server: ServerProcess) -> N
         assert MAX_UNREAD <= received < 400
         # The worker stopped producing: the next stream on the only worker starts at once.
         assert first_part_after(client, server.url, "tinylm", "the") < 0.8
+
+
+def test_a_client_that_stops_reading_is_disconnected(server: ServerProcess) -> None:
+    # nginx's send_timeout: nothing of the answer drained for SEND_TIMEOUT_S, and the server
+    # closes the connection instead of holding it (and its stream) for ever.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /predictions/bigparts HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx"
+        )
+        time.sleep(SEND_TIMEOUT_S + 2.0)
+        sock.settimeout(10)
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+    # Without the timeout the server would still hold the connection, and this read would get
+    # the rest of the answer: the parts buffered, the 429 part and the last chunk.
+    assert not received.endswith(b"0\r\n\r\n")
+    assert b"StreamOverrun" not in received
 
 
 def test_process_workers_stream_too(server: ServerProcess, lm: TinyLM) -> None:
