@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import empty_pb2
 
+from scriptserve.server.admission import Served
 from scriptserve.server.codec import torchserve
-from scriptserve.server.dataplane import DataPlane, Served
+from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import ServingError
 from scriptserve.server.grpc import converters
 from scriptserve.server.grpc._generated import inference_pb2 as ts

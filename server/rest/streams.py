@@ -40,7 +40,7 @@ async def _first(stream: Stream, request: Request) -> Served | None:
     if not stream.streaming:
         return await stream.next()
     part = asyncio.ensure_future(stream.next())
-    gone = asyncio.ensure_future(request.receive())
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((part, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -50,6 +50,12 @@ async def _first(stream: Stream, request: Request) -> Served | None:
     if not part.done() or part.cancelled():
         raise ClientGone
     return part.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return once the client has hung up (its body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _rest(
