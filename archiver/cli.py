@@ -178,7 +178,11 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--per-channel", action="store_true", help="per-channel weight scales")
     group.add_argument(
-        "--reduce-range", action="store_true", help="ONNX: 7-bit weights, for CPUs without VNNI"
+        "--reduce-range",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="7-bit activations (.pt2) or weights (ONNX), which keep int8 accurate on x86 CPUs "
+        "without VNNI (default: on where the archiving CPU lacks VNNI)",
     )
 
     defaults = Tolerance()

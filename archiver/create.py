@@ -189,8 +189,9 @@ def _quantize_pt2(
     tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
     max_batch = info.max_batch or DEFAULT_MAX_BATCH
     measured = quantize_pt2(
-        _pt2_source(args), fp32, dst, sample, max_batch, args.quantize, None, validation, tolerance
-    )
+        _pt2_source(args), fp32, dst, sample, max_batch, args.quantize,
+        QuantizeOptions(reduce_range=args.reduce_range), validation, tolerance,
+    )  # fmt: skip
     report(f"{measured.summary()}; int8 kernels: {', '.join(measured.quantized_ops)}")
     checked = check_package(dst, sample, None, info.source, exported_bound=info.max_batch)
     compiled = measured.options.get("compileOptions", {})

@@ -21,6 +21,7 @@ import re
 import shutil
 import sys
 import zipfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -218,7 +219,7 @@ def _cpuinfo_flags() -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def _this_cpu() -> tuple[str, ...]:
+def cpu_features() -> tuple[str, ...]:
     """This CPU's features (torch.cpu.get_capabilities() names). Read from /proc/cpuinfo
     while torch is not imported: a server of `.pt2` models on CPU never imports it."""
     if "torch" not in sys.modules:
@@ -228,6 +229,18 @@ def _this_cpu() -> tuple[str, ...]:
     import torch
 
     return tuple(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+
+
+_VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def lacks_vnni(features: Collection[str] | None = None) -> bool:
+    """Whether this x86 CPU (or one with `features`) multiplies u8 by s8 without VNNI: its AVX2
+    `vpmaddubsw` sums two products in 16 bits, which saturates for 8-bit activations times
+    8-bit weights, so int8 models lose accuracy unless one side is 7-bit (reduce_range). False
+    on other machines."""
+    features = cpu_features() if features is None else features
+    return "avx2" in features and not any(f in features for f in _VNNI)
 
 
 def torch_version() -> str:
@@ -251,7 +264,7 @@ def package_target(package: Pt2Package) -> Pt2Target:
     march = marches[-1] if marches else None
     features: tuple[str, ...] = ()
     if march is not None:
-        features = _LEVELS.get(march) or _this_cpu()
+        features = _LEVELS.get(march) or cpu_features()
     extensions = [f for f in flags if f.startswith("-m") and not f.startswith(("-march", "-mtune"))]
     return Pt2Target(
         device="cpu",
@@ -298,7 +311,7 @@ def compatibility_problem(info: Pt2Info, device: str) -> str | None:
                 f"{device} is {arch}: {rebuild}"
             )
         return None
-    capabilities = set(_this_cpu())
+    capabilities = set(cpu_features())
     missing = [f for f in target.cpu_flags if f not in capabilities]
     if missing:
         built_for = " ".join(filter(None, (target.isa, target.march and f"-march={target.march}")))

@@ -78,12 +78,21 @@ def load_request(
         options = QuantizeOptions(
             weight_type=str(config.get("quantizeWeightType", "qint8")),
             per_channel=bool(config.get("quantizePerChannel", False)),
-            reduce_range=bool(config.get("quantizeReduceRange", False)),
+            reduce_range=_optional_bool(config.get("quantizeReduceRange")),
             threads=threads,
         )
     except (TypeError, ValueError) as exc:
         raise QuantizationError(f"invalid quantize setting in the model config: {exc}") from None
     return LoadRequest(options, tolerance)
+
+
+def _optional_bool(value: Any) -> bool | None:
+    """A config flag that is left to the machine when unset."""
+    if value is None or isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ValueError(f"{value!r} is not true or false")
 
 
 def archive_samples(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scriptserve.archiver.accuracy import Runner
+from scriptserve.archiver.pt2_package import lacks_vnni
 
 ONNX_OP_TYPES = ("MatMul", "Gemm", "Attention", "LSTM")
 """ONNX node types quantized by default (ConvInteger is rarely faster on CPUs)."""
@@ -23,8 +24,9 @@ class QuantizeOptions:
     """ONNX weight type, `qint8` or `quint8` (TorchScript weights are always qint8)."""
     per_channel: bool = False
     """One scale per output channel of each weight instead of one per tensor."""
-    reduce_range: bool = False
-    """ONNX: 7-bit weights, for CPUs without VNNI (TorchScript's fbgemm kernels already do it)."""
+    reduce_range: bool | None = None
+    """7-bit activations (PT2) or weights (ONNX), which keep int8 accurate on x86 CPUs without
+    VNNI (TorchScript's fbgemm kernels already do it). None: on where this CPU lacks VNNI."""
     op_types: tuple[str, ...] = ONNX_OP_TYPES
     """ONNX node types to quantize; add "Conv" to try ConvInteger."""
     engine: str | None = None
@@ -37,12 +39,16 @@ class QuantizeOptions:
     threads: int = 1
     """Intra-op threads while measuring latency (the server passes its per-worker count)."""
 
+    def reduces_range(self) -> bool:
+        """`reduce_range`, decided for this CPU when it is None."""
+        return lacks_vnni() if self.reduce_range is None else self.reduce_range
+
     def key(self) -> dict[str, Any]:
         """What changes the int8 file (the cache key), as JSON-able values."""
         return {
             "weightType": self.weight_type,
             "perChannel": self.per_channel,
-            "reduceRange": self.reduce_range,
+            "reduceRange": self.reduces_range(),
             "opTypes": list(self.op_types),
             "engine": self.engine,
         }

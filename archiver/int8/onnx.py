@@ -43,7 +43,7 @@ def convert(src: Path, dst: Path, options: QuantizeOptions) -> Int8Conversion:
     try:
         quantize_dynamic(
             src, dst, weight_type=types[options.weight_type], per_channel=options.per_channel,
-            reduce_range=options.reduce_range, op_types_to_quantize=list(options.op_types),
+            reduce_range=options.reduces_range(), op_types_to_quantize=list(options.op_types),
         )  # fmt: skip
     except Exception as exc:  # onnxruntime.quantization raises many unrelated types
         raise QuantizationError(f"onnxruntime quantize_dynamic failed: {exc}") from None

@@ -171,6 +171,7 @@ def convert(
     max_batch: int,
     static: bool = False,
     validation: ValidationSamples | None = None,
+    reduce_range: bool = False,
 ) -> Pt2Int8:
     """Quantize the model of `source` (files, or a program exported with its dynamic batch)
     with torchao's PT2E flow and compile the int8 package `dst` for batches of 1 to
@@ -194,7 +195,11 @@ def convert(
     else:
         program, kind = source, "exported-program"
     quantizer = X86InductorQuantizer()
-    quantizer.set_global(get_default_x86_inductor_quantization_config(is_dynamic=not static))
+    quantizer.set_global(
+        get_default_x86_inductor_quantization_config(
+            is_dynamic=not static, reduce_range=reduce_range
+        )
+    )
     try:
         prepared = prepare_pt2e(program.module(), quantizer)
         move_exported_model_to_eval(prepared)
@@ -211,6 +216,7 @@ def convert(
         "flow": "pt2e",
         "quantizer": "X86InductorQuantizer",
         "scheme": "static" if static else "dynamic",
+        "reduceRange": reduce_range,
         "torchao": torchao.__version__,
         "source": kind,
     }

@@ -27,6 +27,7 @@ from scriptserve.archiver.int8 import pt2 as pt2_int8
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.pt2_check import PackageRunner
 from scriptserve.archiver.pt2_export import compile_package, export_model
+from scriptserve.archiver.pt2_package import lacks_vnni
 from scriptserve.archiver.quantize import quantize_pt2
 
 INT8_LINEAR = "aoti_torch_cpu__qlinear_pointwise_tensor"
@@ -80,6 +81,7 @@ def test_a_dynamic_int8_archive_runs_fused_int8_kernels_and_says_so() -> None:
     assert q.details["engine"] == "onednn"
     assert q.details["options"]["flow"] == "pt2e"
     assert q.details["options"]["scheme"] == "dynamic"
+    assert q.details["options"]["reduceRange"] is lacks_vnni()
     assert q.details["options"]["quantizer"] == "X86InductorQuantizer"
     assert info.pt2.compile_options["freezing"] is True
     assert info.pt2.compile_options["noGrad"] is True

@@ -17,6 +17,7 @@ from torch import nn
 
 from scriptserve.archiver.archive import open_archive, sha256_file, verify_archive
 from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.pt2_package import lacks_vnni
 from scriptserve.archiver.quantize import (
     QuantizationError,
     QuantizeOptions,
@@ -327,10 +328,35 @@ def test_model_archiver_writes_int8_and_records_it(tmp_path: Path, fmt: str) -> 
     assert q.max_abs_diff is not None and 0 < q.max_abs_diff < TOLERANCE
     assert q.details["appliedAt"] == "archive"
     assert q.details["validation"]["samples"] == 50
+    assert q.details["options"]["reduceRange"] is lacks_vnni()
     with zipfile.ZipFile(archive) as zf:
         manifest = json.loads(zf.read("MAR-INF/MANIFEST.json"))
     assert manifest["scriptserve"]["quantization"]["sourceSha256"] == sha256_file(model)
     assert "mlp.pt" not in zf.namelist() and "mlp.onnx" not in zf.namelist()
+
+
+@pytest.mark.parametrize(
+    ("features", "lacks"),
+    [
+        (("sse4_2", "avx", "avx2", "fma3"), True),
+        (("avx2", "avx512_f", "avx512_vnni"), False),
+        (("avx2", "avx_vnni"), False),
+        (("avx2", "avx512_f", "amx_tile", "amx_int8"), False),
+        (("asimd", "neon"), False),
+    ],
+)
+def test_reduce_range_defaults_on_only_for_x86_cpus_without_vnni(
+    features: tuple[str, ...], lacks: bool
+) -> None:
+    assert lacks_vnni(features) is lacks
+
+
+def test_reduce_range_can_be_set_either_way(mlp_onnx: Path, tmp_path: Path) -> None:
+    for chosen in (False, True):
+        options = QuantizeOptions(reduce_range=chosen)
+        report = quantize_model_file(mlp_onnx, tmp_path / f"{chosen}.onnx", "onnx", SAMPLE, options)
+        assert report.options["reduceRange"] is chosen
+    assert QuantizeOptions().key()["reduceRange"] is lacks_vnni()
 
 
 def test_model_archiver_conv_only_fails_with_the_reason(
