@@ -6,7 +6,8 @@ over the 256 byte values for the next one (`[batch, 256]`), as a TorchScript, `.
 file. The window is the archive's recorded input width, or the model config's `window`.
 
 A request brings its prompt as the `text_input` tensor (Open Inference Protocol, Triton's
-generate), as a JSON body `{"text_input": "...", "max_tokens": 8}` or as plain text
+generate), as a JSON body `{"text_input": "...", "max_tokens": 8}` (application/json, or any
+body without a content type that reads as one, as gRPC's `input` fields) or as plain text
 (`/predictions`); `max_tokens` (a request parameter, or in the JSON body) bounds its answer,
 at most the model config's `max_tokens` (default 64). Requests of one batch generate together,
 one model call per step for all of them; each gets a part per token, the token's text as both
@@ -54,6 +55,24 @@ def _positive_int(value: Any, what: str) -> int:
     return number
 
 
+def _json_body(body: bytes, content_type: str | None) -> dict[str, Any] | None:
+    """The `{"text_input": ..., "max_tokens": ...}` document of a JSON body: one sent as
+    application/json, or one without a content type (gRPC `input` fields have none) that reads
+    as such a document; None for plain text."""
+    declared = (content_type or "").startswith("application/json")
+    if not declared and (content_type or not body.lstrip().startswith(b"{")):
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get(TEXT_INPUT), str):
+        return doc
+    if declared:
+        raise HandlerError('send {"text_input": "...", "max_tokens": N}', 400)
+    return None
+
+
 class TextGenerator(BaseHandler):
     thread_safe = True  # the generation's state lives in `stream`'s locals
 
@@ -83,13 +102,8 @@ class TextGenerator(BaseHandler):
             tokens = [int(t) for t in request.inputs[self.input_name].ravel()]
         elif request.body is not None:
             text = request.body
-            if (request.content_type or "").startswith("application/json"):
-                try:
-                    doc = json.loads(request.body)
-                except ValueError:
-                    doc = None
-                if not isinstance(doc, dict) or not isinstance(doc.get(TEXT_INPUT), str):
-                    raise HandlerError('send {"text_input": "...", "max_tokens": N}', 400)
+            doc = _json_body(request.body, request.content_type)
+            if doc is not None:
                 text = doc[TEXT_INPUT].encode()
                 limit = doc.get("max_tokens", limit)
         if tokens is None:

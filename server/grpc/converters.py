@@ -67,6 +67,11 @@ def _typed_input(tensor: Any, shape: list[int]) -> np.ndarray:
     return from_values(name, datatype, shape, getattr(tensor.contents, field))
 
 
+def version_of(value: str) -> str | None:
+    """The version a request names; empty means the model's default version."""
+    return value or None
+
+
 def infer_request(msg: Any) -> InferenceRequest:
     """An OIP ModelInferRequest as an InferenceRequest (its requested outputs included)."""
     if not msg.inputs:

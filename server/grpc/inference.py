@@ -7,7 +7,6 @@ its queue slot.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +15,6 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import empty_pb2
 
-from scriptserve.server.admission import Served
 from scriptserve.server.codec import torchserve
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import ServingError
@@ -27,6 +25,7 @@ from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
 from scriptserve.server.grpc.auth import authorization_of
 from scriptserve.server.grpc.status import abort, status_code
+from scriptserve.server.grpc.streams import StreamInferCall, prediction_parts
 from scriptserve.server.repository import ModelRepository
 from scriptserve.server.security import AccessKeys
 
@@ -45,11 +44,6 @@ def translated(method: Handler[R]) -> Handler[R]:
             await abort(context, exc)
 
     return call
-
-
-def version_of(value: str) -> str | None:
-    """proto3 strings default to "": no version means the default one."""
-    return value or None
 
 
 class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
@@ -71,7 +65,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelReady(self, request: Any, context: Any) -> oip.ModelReadyResponse:
-        ready = self.dataplane.model_ready(request.name, version_of(request.version))
+        ready = self.dataplane.model_ready(request.name, converters.version_of(request.version))
         return oip.ModelReadyResponse(ready=ready)
 
     @translated
@@ -80,7 +74,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelMetadata(self, request: Any, context: Any) -> oip.ModelMetadataResponse:
-        meta = self.dataplane.model_metadata(request.name, version_of(request.version))
+        meta = self.dataplane.model_metadata(request.name, converters.version_of(request.version))
         # Triton's ModelMetadataResponse has no parameters field: int8 or not goes in metadata.
         context.set_trailing_metadata(converters.quantization_metadata(meta))
         return converters.fill_metadata(meta, oip.ModelMetadataResponse())
@@ -88,7 +82,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     @translated
     async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
         served = await self.dataplane.infer(
-            request.model_name, version_of(request.model_version),
+            request.model_name, converters.version_of(request.model_version),
             functools.partial(converters.infer_request, request), protocol="grpc",
             timeout_s=context.time_remaining(),
         )  # fmt: skip
@@ -96,13 +90,15 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelConfig(self, request: Any, context: Any) -> oip.ModelConfigResponse:
-        config = self.dataplane.model_config(request.name, version_of(request.version))
+        config = self.dataplane.model_config(request.name, converters.version_of(request.version))
         return converters.from_json({"config": config}, oip.ModelConfigResponse())
 
     @translated
     async def ModelStatistics(self, request: Any, context: Any) -> oip.ModelStatisticsResponse:
         name = request.name or None  # no name: every model (a version alone means nothing)
-        stats = self.dataplane.statistics(name, version_of(request.version) if name else None)
+        stats = self.dataplane.statistics(
+            name, converters.version_of(request.version) if name else None
+        )
         return converters.from_json({"model_stats": stats}, oip.ModelStatisticsResponse())
 
     def _authorize_management(self, context: Any) -> None:
@@ -139,45 +135,9 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
-        """Triton's bidirectional stream: every request is queued as soon as it arrives (so
-        requests of one stream batch together), and each answer is written when it is ready,
-        carrying its request's `id`. A failed request is answered with `error_message`; the
-        stream goes on. Ending the call (client cancel, deadline) withdraws the requests still
-        queued. No coroutine per request: answers are built in the futures' callbacks and one
-        writer sends them in order of completion."""
-        replies: asyncio.Queue[oip.ModelStreamInferResponse | None] = asyncio.Queue()
-        pending: set[asyncio.Future[Served]] = set()
-
-        def answered(request: Any, future: asyncio.Future[Served]) -> None:
-            pending.discard(future)
-            if not future.cancelled():
-                reply = oip.ModelStreamInferResponse()
-                replies.put_nowait(converters.fill_stream_reply(request, future, reply))
-
-        async def write_replies() -> None:
-            while (reply := await replies.get()) is not None:
-                await context.write(reply)
-
-        writer = asyncio.create_task(write_replies())
-        try:
-            async for request in requests:
-                future = self.dataplane.submit(
-                    request.model_name, version_of(request.model_version),
-                    functools.partial(converters.infer_request, request), protocol="grpc",
-                    timeout_s=context.time_remaining(),
-                )  # fmt: skip
-                pending.add(future)
-                future.add_done_callback(functools.partial(answered, request))
-            if pending:
-                # Each future's `answered` runs before gather's own callback: every reply is
-                # queued by the time gather returns.
-                await asyncio.gather(*pending, return_exceptions=True)
-            replies.put_nowait(None)
-            await writer
-        finally:
-            for future in list(pending):
-                future.cancel()
-            writer.cancel()
+        """Triton's bidirectional stream: several replies per request for models that answer
+        in parts (server/grpc/streams.py)."""
+        await StreamInferCall(self.dataplane, context).serve(requests)
 
 
 class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
@@ -193,7 +153,7 @@ class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
 
     async def _predict(self, request: Any, context: Any) -> ts.PredictionResponse:
         served = await self.dataplane.infer(
-            request.model_name, version_of(request.model_version),
+            request.model_name, converters.version_of(request.model_version),
             functools.partial(torchserve.predictions_request, request.input), protocol="grpc",
             timeout_s=context.time_remaining(),
         )  # fmt: skip
@@ -207,8 +167,10 @@ class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
     async def StreamPredictions(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ts.PredictionResponse]:
+        """One message per part of the answer; an error ends the call with its status."""
         try:
-            yield await self._predict(request, context)
+            async for part in prediction_parts(self.dataplane, request, context):
+                yield part
         except ServingError as exc:
             await abort(context, exc)
 

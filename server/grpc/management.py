@@ -10,7 +10,7 @@ from typing import Any
 from scriptserve.server.grpc import converters
 from scriptserve.server.grpc._generated import management_pb2 as mgmt
 from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
-from scriptserve.server.grpc.inference import translated, version_of
+from scriptserve.server.grpc.inference import translated
 from scriptserve.server.management import Management, Registration, Scaling
 
 
@@ -24,7 +24,7 @@ class ManagementServicer(mgmt_grpc.ManagementAPIsServiceServicer):
 
     @translated
     async def DescribeModel(self, request: Any, context: Any) -> mgmt.ManagementResponse:
-        version = version_of(request.model_version)
+        version = converters.version_of(request.model_version)
         return _msg(self.management.describe(request.model_name, version))
 
     @translated
@@ -41,7 +41,7 @@ class ManagementServicer(mgmt_grpc.ManagementAPIsServiceServicer):
     @translated
     async def ScaleWorker(self, request: Any, context: Any) -> mgmt.ManagementResponse:
         scaling = Scaling.parse(converters.given_fields(request))
-        version = version_of(request.model_version)
+        version = converters.version_of(request.model_version)
         _, message = await self.management.scale(request.model_name, version, scaling)
         return _msg({"status": message})
 
@@ -52,5 +52,5 @@ class ManagementServicer(mgmt_grpc.ManagementAPIsServiceServicer):
 
     @translated
     async def UnregisterModel(self, request: Any, context: Any) -> mgmt.ManagementResponse:
-        version = version_of(request.model_version)
+        version = converters.version_of(request.model_version)
         return _msg({"status": await self.management.unregister(request.model_name, version)})

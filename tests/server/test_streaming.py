@@ -9,90 +9,19 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from serving import ServerProcess
-from testmodels import TinyLM, greedy_text, save_torchscript, trained_tiny_lm
-from torchserve.tsarchives import torch_model_archiver, write
-
-from scriptserve.archiver.cli import model_archiver_main
-
-MAX_UNREAD = 64
-SEND_TIMEOUT_S = 4.0
-SLOW_MATMULS = 60
-"""TinyLM's busy work per token for `slowlm`: about 30 ms a token on one core."""
-
-TS_STREAMING = """
-from ts.protocol.otf_message_handler import send_intermediate_predict_response
-
-
-def handle(data, context):
-    if data is None:
-        return None
-    for step in range(3):
-        send_intermediate_predict_response(
-            [f"part {step};" for _ in data], context.request_ids,
-            "Intermediate Prediction success", 200, context,
-        )
-    return ["done" for _ in data]
-"""
-
-BIG_PARTS = """
-from scriptserve.handlers.base import BaseHandler, InferenceResponse
-
-PART = 65536
-
-
-class BigParts(BaseHandler):
-    def initialize(self, context):
-        self.context = context
-
-    def stream(self, requests):
-        for step in range(400):
-            yield [InferenceResponse(body=bytes([65 + step % 26]) * PART) for _ in requests]
-"""
-
-
-def _archive(store: Path, work: Path, name: str, model: Path, handler: str) -> None:
-    sample = work / "tokens.json"
-    sample.write_text(json.dumps(list(b"the quic")))
-    argv = [
-        "--model-name", name, "--version", "1.0", "--serialized-file", str(model),
-        "--handler", handler, "--sample-input", str(sample), "--input-dtype", "INT64",
-        "--export-path", str(store),
-    ]  # fmt: skip
-    assert model_archiver_main(argv) == 0
+from streamstore import MAX_UNREAD, SEND_TIMEOUT_S
+from testmodels import TinyLM, greedy_text
 
 
 @pytest.fixture(scope="module")
-def lm() -> TinyLM:
-    return trained_tiny_lm()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, lm: TinyLM) -> Iterator[ServerProcess]:
-    work = tmp_path_factory.mktemp("streaming")
-    store = work / "store"
-    store.mkdir()
-    _archive(store, work, "tinylm", save_torchscript(work / "lm.pt", lm), "text_generator")
-    slow = trained_tiny_lm(matmuls=SLOW_MATMULS)
-    _archive(store, work, "slowlm", save_torchscript(work / "slow.pt", slow), "text_generator")
-    _archive(store, work, "bigparts", work / "lm.pt", str(write(work / "big.py", BIG_PARTS)))
-    write(work / "ts_stream.py", TS_STREAMING)
-    torch_model_archiver(
-        work, store, "ts_stream", "--serialized-file", "lm.pt", "--handler", "ts_stream.py"
-    )
-    proc = ServerProcess(
-        store, "--workers", "1", "--max-batch-delay", "20", "--enable-model-api",
-        "--stream-max-unread-parts", str(MAX_UNREAD), "--http-send-timeout-s", str(SEND_TIMEOUT_S),
-    ).start()  # fmt: skip
-    yield proc
-    proc.stop()
+def server(streaming_server: ServerProcess) -> ServerProcess:
+    return streaming_server
 
 
 def events(body: str) -> list[dict[str, Any]]:

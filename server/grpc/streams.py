@@ -1,0 +1,134 @@
+"""Answers in parts over gRPC: Triton's bidirectional `ModelStreamInfer` and TorchServe's
+`StreamPredictions`.
+
+`ModelStreamInfer` queues every request as soon as it arrives (requests of one stream batch
+together) and writes each of its replies when it is ready, in order per request, carrying the
+request's `id`. A model that answers in parts (Triton's decoupled models) gives a request
+several replies; each reply's `triton_final_response` parameter says whether it is the
+request's last. A stream whose last part is empty ends without a reply, unless the request asked
+for one with the `triton_enable_empty_final_response` parameter (tritonclient's
+`enable_empty_final_response`): it then gets an empty reply marked final. A failed request gets
+a reply with `error_message` (marked final); the call goes on.
+
+A request's parts are taken from its `PartStream` only as fast as the client reads the call
+(one write waits at a time per request), so a slow reader fills the stream's bound and ends
+that request with RESOURCE_EXHAUSTED rather than growing the server's memory. Ending the call
+(client cancel, deadline) ends every stream in it: their workers stop at their next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from scriptserve.handlers.base import InferenceResponse
+from scriptserve.server.admission import Served
+from scriptserve.server.codec import torchserve
+from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.errors import ServingError
+from scriptserve.server.grpc import converters
+from scriptserve.server.grpc._generated import inference_pb2 as ts
+from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
+from scriptserve.server.streaming import PartStream
+
+FINAL_RESPONSE = "triton_final_response"
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+
+
+def _wants_empty_final(request: Any) -> bool:
+    parameter = request.parameters.get(EMPTY_FINAL_RESPONSE)
+    return parameter is not None and parameter.bool_param
+
+
+def _reply(request: Any, served: Served, final: bool) -> oip.ModelStreamInferResponse:
+    """A reply with a part of the answer (an empty part: the empty final reply)."""
+    reply = oip.ModelStreamInferResponse()
+    answer: Any = reply.infer_response
+    converters.fill_infer_response(served, request.id, answer)
+    answer.parameters[FINAL_RESPONSE].bool_param = final
+    return reply
+
+
+def _error_reply(request: Any, error: ServingError) -> oip.ModelStreamInferResponse:
+    reply = oip.ModelStreamInferResponse(error_message=error.message)
+    answer: Any = reply.infer_response
+    answer.model_name, answer.id = request.model_name, request.id
+    answer.parameters[FINAL_RESPONSE].bool_param = True
+    return reply
+
+
+class StreamInferCall:
+    """One `ModelStreamInfer` call (see the module docstring)."""
+
+    def __init__(self, dataplane: DataPlane, context: grpc.aio.ServicerContext) -> None:
+        self._dataplane = dataplane
+        self._context = context
+        self._writing = asyncio.Lock()
+        self._answering: set[asyncio.Task[None]] = set()
+
+    async def serve(self, requests: AsyncIterator[Any]) -> None:
+        """Read the client's requests until it half-closes, then finish every answer."""
+        try:
+            async for request in requests:
+                self._start(request)
+            while self._answering:
+                await asyncio.gather(*self._answering)
+        finally:
+            for task in self._answering:
+                task.cancel()
+
+    def _start(self, request: Any) -> None:
+        try:
+            stream = self._dataplane.stream(
+                request.model_name, converters.version_of(request.model_version),
+                functools.partial(converters.infer_request, request), protocol="grpc",
+                timeout_s=self._context.time_remaining(),
+            )  # fmt: skip
+        except ServingError as exc:
+            task = asyncio.ensure_future(self._write(_error_reply(request, exc)))
+        else:
+            task = asyncio.ensure_future(self._answer(request, stream))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, request: Any, stream: PartStream[Served]) -> None:
+        """Write the request's parts as they come, then its empty final reply if it asked."""
+        final = False
+        try:
+            while (served := await stream.next()) is not None:
+                final = stream.ended
+                await self._write(_reply(request, served, final))
+            if not final and _wants_empty_final(request):
+                empty = Served(stream.model_name, stream.model_version, InferenceResponse())
+                await self._write(_reply(request, empty, True))
+        except ServingError as exc:
+            await self._write(_error_reply(request, exc))
+        finally:
+            stream.close()
+
+    async def _write(self, reply: oip.ModelStreamInferResponse) -> None:
+        async with self._writing:  # one message at a time on the call
+            await self._context.write(reply)
+
+
+async def prediction_parts(
+    dataplane: DataPlane, request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[ts.PredictionResponse]:
+    """TorchServe's `StreamPredictions`: one PredictionResponse per part of the answer (one in
+    all for a model that answers once). Raises the ServingError that ends the stream; the
+    stream ends when the caller stops iterating (the call was cancelled)."""
+    stream = dataplane.stream(
+        request.model_name, converters.version_of(request.model_version),
+        functools.partial(torchserve.predictions_request, request.input), protocol="grpc",
+        timeout_s=context.time_remaining(),
+    )  # fmt: skip
+    try:
+        while (served := await stream.next()) is not None:
+            payload, _ = torchserve.prediction_payload(served.response)
+            yield ts.PredictionResponse(prediction=payload)
+    finally:
+        stream.close()
