@@ -7,7 +7,7 @@ IMAGE ?= scriptserve:cpu
 BASE_IMAGE ?= python:3.11-slim
 BUILDAH ?= buildah
 
-.PHONY: install install-serve demo demo-archive digits test lint bench gen-proto image
+.PHONY: install install-serve demo demo-archive demo-textgen digits test lint bench gen-proto image
 
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt
 
@@ -33,6 +33,17 @@ demo-archive: install-serve
 		--model-class DemoMLP --serialized-file $(DEMO_DIR)/demo-weights.pt --max-batch 64 \
 		--handler tensor --sample-input $(DEMO_DIR)/sample.json --export-path model_store -f
 	scriptserve archive verify model_store/demo.mar
+
+# The streaming demo (docs/streaming.md): a next-byte model compiled to .pt2 and served by the
+# builtin text_generator handler, which answers a token at a time.
+demo-textgen: install-serve
+	$(PYTHON) scripts/textgen_model.py $(DEMO_DIR)
+	model-archiver --model-name textgen --version 1.0 --export-pt2 \
+		--model-file scripts/textgen_model.py --model-class ByteLM \
+		--serialized-file $(DEMO_DIR)/textgen-weights.pt --max-batch 32 --handler text_generator \
+		--sample-input $(DEMO_DIR)/textgen-sample.json --input-dtype INT64 \
+		--export-path model_store -f
+	scriptserve archive verify model_store/textgen.mar
 
 # Train the digits classifier into model_store/ (about a minute on 2 cores: 10 epochs, then the .pt2 compiles), unless it is there.
 digits: install-serve
