@@ -14,6 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.server.access_log import request_id_for
 from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.codec.tensors import check_signature, select_outputs
 from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ServingError
@@ -72,6 +73,7 @@ def decoded(mv: ModelVersion, request: Request) -> InferenceRequest:
     """The request as the model's worker will see it, checked before it is queued."""
     if not isinstance(request, InferenceRequest):
         request = decode_checked(mv, request)
+    request.request_id = request_id_for(request.request_id)
     if mv.request_signature is not None and request.outputs is not None:
         check_signature(mv.name, mv.request_signature, request.inputs)
     return request

@@ -18,17 +18,19 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 
 from scriptserve.server import snapshot
+from scriptserve.server.access_log import AccessLog
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.grpc.server import GrpcServers
 from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, find_archives
 from scriptserve.server.repository import ModelRepository
+from scriptserve.server.rest.access import AccessLogged
 from scriptserve.server.rest.connection_limits import ConnectionLimits, HttpConnections
 from scriptserve.server.rest.guard import guarded
 from scriptserve.server.rest.inference import create_inference_app
@@ -36,7 +38,7 @@ from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_route
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
 from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
-from scriptserve.server.security import resolve_keys
+from scriptserve.server.security import AccessKeys, resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
 
 log = logging.getLogger("scriptserve.app")
@@ -154,28 +156,24 @@ async def load_startup_models(
             await registry.load(path, name, startup=True)
 
 
-async def serve(settings: ServerSettings) -> int:
-    """Run the server until SIGTERM/SIGINT; returns the exit code."""
-    check_model_store(settings)  # before any port is bound
-    # Workers run the model without the GIL but need it back to hand results over; with
-    # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
-    # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
-    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
-    keys = resolve_keys(settings)  # SecurityConfigError: the CLI exits 2 with its one line
-    devices = available_devices(settings)
-    metrics = ServerMetrics()
-    registry = ModelRegistry(settings, metrics, devices)
-    metrics.watch(registry.stats)
-    dataplane = DataPlane(registry, metrics, settings)
-    management = Management(registry, dataplane, settings)
+def _http_apps(
+    settings: ServerSettings,
+    dataplane: DataPlane,
+    management: Management,
+    repository: ModelRepository,
+    keys: AccessKeys,
+    metrics: ServerMetrics,
+    access: AccessLog,
+) -> list[tuple[str, Any, str]]:
+    """The inference, management and metrics apps, each behind its guard (and the access log
+    when it is on), with the address it listens on."""
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
     probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
     inference_app = create_inference_app(dataplane, settings)
     add_kserve_v1_routes(inference_app, dataplane)
-    repository = ModelRepository(management)
     add_repository_routes(inference_app, repository)
-    apps: list[tuple[str, FastAPI, str]] = [
+    apps: list[tuple[str, Any, str]] = [
         (
             "inference",
             guarded(
@@ -208,6 +206,31 @@ async def serve(settings: ServerSettings) -> int:
             settings.metrics_address,
         ),
     ]
+    if access.enabled:  # an ASGI layer costs every request: only when there is a log to write
+        apps = [
+            (what, AccessLogged(app, access) if what != "metrics" else app, address)
+            for what, app, address in apps
+        ]
+    return apps
+
+
+async def serve(settings: ServerSettings) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit code."""
+    check_model_store(settings)  # before any port is bound
+    # Workers run the model without the GIL but need it back to hand results over; with
+    # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
+    # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
+    keys = resolve_keys(settings)  # SecurityConfigError: the CLI exits 2 with its one line
+    devices = available_devices(settings)
+    metrics = ServerMetrics()
+    registry = ModelRegistry(settings, metrics, devices)
+    metrics.watch(registry.stats)
+    dataplane = DataPlane(registry, metrics, settings)
+    management = Management(registry, dataplane, settings)
+    repository = ModelRepository(management)
+    access = AccessLog(settings.access_log, settings.access_log_format)
+    apps = _http_apps(settings, dataplane, management, repository, keys, metrics, access)
     sockets = [bind(address) for _, _, address in apps]
     connections = HttpConnections(ConnectionLimits.from_settings(settings))
     servers = []
@@ -263,6 +286,7 @@ async def serve(settings: ServerSettings) -> int:
     await dataplane.close()
     for sock in sockets:
         sock.close()
+    access.close()
     log.info("stopped")
     return 0
 

@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         fail("scriptserve serve", f"invalid settings: {exc}")
     # Every logger, uvicorn's and grpc's included, ends at this handler: control characters a
     # client sent (a newline in a model name or request id) are escaped, never a new line.
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     if settings.ts_config is not None:
         from scriptserve.server.torchserve_config import report_torchserve_config
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.server.access_log import note_model
 from scriptserve.server.admission import (
     Request,
     Served,
@@ -300,9 +301,11 @@ class DataPlane(DescribesModels):
         job.future.add_done_callback(finished)
 
     def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
+        note_model(name, version)
         if self.draining:
             raise ModelNotReady("the server is shutting down; retry on another replica")
         mv = self.registry.get(name, version)
+        note_model(name, mv.version)
         if mv.state is ModelState.FAILED:
             raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
         if mv.pool.size == 0:

@@ -14,11 +14,20 @@ breaks. It is installed once, on the root handler of the server and of each work
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 import traceback
 from types import TracebackType
 
-__all__ = ["LOG_FORMAT", "EscapingFormatter", "configure_logging", "escape_controls"]
+__all__ = [
+    "LOG_FORMAT",
+    "EscapingFormatter",
+    "JsonFormatter",
+    "configure_logging",
+    "current_format",
+    "escape_controls",
+]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -98,11 +107,40 @@ class EscapingFormatter(logging.Formatter):
         return _escaped_traceback(exc_type, exc, tb)
 
 
-def configure_logging(level: int | str) -> None:
-    """Log to stderr through an EscapingFormatter at `level` (as logging.basicConfig does: only
-    when the root logger has no handler yet)."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: `time` (UTC, ISO 8601), `level`, `logger`, `message`, and
+    `exception` (the formatted traceback) when there is one. JSON escapes every control
+    character, so each record is one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        return json.dumps(fields)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        moment = time.gmtime(record.created)
+        return time.strftime("%Y-%m-%dT%H:%M:%S", moment) + f".{int(record.msecs):03d}Z"
+
+
+def configure_logging(level: int | str, fmt: str = "plain") -> None:
+    """Log to stderr at `level`, plain (an EscapingFormatter) or `json` (a JsonFormatter), as
+    logging.basicConfig does: only when the root logger has no handler yet."""
     handler = logging.StreamHandler()
-    handler.setFormatter(EscapingFormatter(LOG_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else EscapingFormatter(LOG_FORMAT))
     logging.basicConfig(
         level=level.upper() if isinstance(level, str) else level, handlers=[handler]
     )
+    logging.captureWarnings(True)  # Python warnings become log lines in the same format
+
+
+def current_format() -> str:
+    """`json` when the root logger writes JSON (configure_logging), else `plain`: what worker
+    processes are started with."""
+    handlers = logging.getLogger().handlers
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in handlers) else "plain"

@@ -297,6 +297,14 @@ class ServerSettings(BaseSettings):
     file overrides: TorchServe's config.properties `models`."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level of the log lines the server writes."""
+    log_format: Literal["plain", "json"] = "plain"
+    """`json`: every server and worker log line as one JSON object (time, level, logger,
+    message, exception), for log pipelines."""
+    access_log: str = "off"
+    """Where the access log goes (one line per HTTP request and gRPC call, server/access_log.py):
+    `off`, `stderr`, `stdout` or a file, appended to."""
+    access_log_format: Literal["plain", "json"] = "plain"
+    """The access log's lines: plain text, or one JSON object per line."""
 
     @field_validator(
         "inference_address",

@@ -26,6 +26,10 @@ from scriptserve.archiver.quantize import QuantizationError, select_engine
 from scriptserve.handlers.backends import BackendError, parse_device
 
 _threads_lock = threading.Lock()
+# Request tensors are decoded straight from the request's bytes, so they are read-only; torch
+# warns once per process that its tensor may be written. The buffer belongs to that request
+# alone, and a copy per request would cost more than the warning is worth.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 def configure_threads(intra_op_threads: int) -> None:

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from scriptserve.server.access_log import AccessLog
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.grpc._generated import (
     inference_pb2,
@@ -22,6 +23,7 @@ from scriptserve.server.grpc._generated import (
 from scriptserve.server.grpc._generated import inference_pb2_grpc as ts_grpc
 from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as oip_grpc
+from scriptserve.server.grpc.access import AccessInterceptor
 from scriptserve.server.grpc.auth import interceptors
 from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInferenceServicer
 from scriptserve.server.grpc.malformed import MalformedMessageInterceptor
@@ -89,14 +91,22 @@ class GrpcServers:
         keys = keys or AccessKeys(None, None, enforced=False)
         repository = repository or ModelRepository(management)
         options = server_options(settings)
-        # The key check runs first: a call without its key is refused whatever it carries.
+        # The access log sees every call, refused ones too; then the key check runs: a call
+        # without its key is refused whatever it carries.
+        self.access = AccessLog(settings.access_log, settings.access_log_format)
+        logged = [AccessInterceptor(self.access)] if self.access.enabled else []
         inference_keys = interceptors(keys, "inference", REPOSITORY_METHODS)
         self.inference = grpc.aio.server(
-            options=options, interceptors=[*inference_keys, MalformedMessageInterceptor()]
+            options=options,
+            interceptors=[*logged, *inference_keys, MalformedMessageInterceptor()],
         )
         self.management = grpc.aio.server(
             options=options,
-            interceptors=[*interceptors(keys, "management"), MalformedMessageInterceptor()],
+            interceptors=[
+                *logged,
+                *interceptors(keys, "management"),
+                MalformedMessageInterceptor(),
+            ],
         )
         self._health: list[health.aio.HealthServicer] = []
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -11,6 +11,7 @@ from typing import NoReturn
 
 import grpc
 
+from scriptserve.server.access_log import HEADER, current_request_id
 from scriptserve.server.admission import DEADLINE_SLACK_S
 from scriptserve.server.errors import (
     Conflict,
@@ -70,5 +71,7 @@ async def abort(context: grpc.aio.ServicerContext, error: ServingError) -> NoRet
         and remaining <= DEADLINE_SLACK_S
     ):
         raise asyncio.CancelledError
-    await context.abort(status_code(error), error.message)
+    request_id = current_request_id()
+    trailers = ((HEADER, request_id),) if request_id is not None else ()
+    await context.abort(status_code(error), error.message, trailers)
     raise AssertionError("context.abort returned")  # it raises

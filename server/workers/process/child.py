@@ -57,6 +57,7 @@ class ChildSpec:
     context: Context
     """The handler's context, on the worker's device."""
     log_level: int = logging.INFO
+    log_format: str = "plain"
     parent_pid: int = 0
     worker: int = 0
     """The slot's id, for the log."""
@@ -160,7 +161,7 @@ def child_main(conn: Connection, spec: ChildSpec) -> None:
     """Entry point of a worker process (multiprocessing spawn target)."""
     # Ctrl-C reaches the whole process group; the server decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(spec.log_level)  # the server's format, control characters escaped
+    configure_logging(spec.log_level, spec.log_format)  # the server's format
     if spec.parent_pid:
         threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     context = spec.context

@@ -40,6 +40,7 @@ from scriptserve.handlers.base import (
     StreamClosed,
 )
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
+from scriptserve.server.log_format import current_format
 from scriptserve.server.workers.pool import (
     RestartPolicy,
     Slot,
@@ -229,6 +230,7 @@ class ProcessRunner:
         spec = ChildSpec(
             context=replace(self._context, device=slot.device),
             log_level=logging.getLogger().getEffectiveLevel(),
+            log_format=current_format(),
             parent_pid=os.getpid(),
             worker=slot.id,
             warmup_runs=self._warmup_runs,

@@ -1,0 +1,217 @@
+"""The access log and JSON logs against a real server: one line per HTTP request and gRPC call
+with what operators look for (model, version, status, bytes, latency, request id, client), the
+request id returned to the client and carried to the worker, refused calls logged too, and never
+a key, a body or a query string in any log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tsprotos
+from serving import ServerProcess
+from testmodels import save_torchscript
+from tritonclient.utils import InferenceServerException
+
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.server.access_log import AccessLog, AccessRecord
+
+INFERENCE_KEY = "inference-key-7f3a9c1e2b"
+BODY_MARKER = 0.123456789
+QUERY_SECRET = "query-secret-55d1"
+
+PROBE_HANDLER = """
+import logging
+
+from scriptserve.handlers.tensor import TensorHandler
+
+log = logging.getLogger("probe")
+
+
+class Probe(TensorHandler):
+    def inference(self, batch):
+        log.info("handler saw request ids %s", ",".join(r.request_id for r in self.requests))
+        return super().inference(batch)
+
+    def preprocess(self, requests):
+        self.requests = requests
+        return super().preprocess(requests)
+"""
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    work = tmp_path_factory.mktemp("access")
+    store = work / "store"
+    (work / "probe.py").write_text(PROBE_HANDLER)
+    (work / "sample.json").write_text(json.dumps([0.5] * 8))
+    argv = [
+        "--model-name", "tiny", "--version", "1.0", "--serialized-file",
+        str(save_torchscript(work / "tiny.pt")), "--handler", str(work / "probe.py"),
+        "--sample-input", str(work / "sample.json"), "--export-path", str(store),
+    ]  # fmt: skip
+    assert model_archiver_main(argv) == 0
+    access = work / "access.log"
+    proc = ServerProcess(
+        store, "--workers", "1", "--access-log", str(access), "--access-log-format", "json",
+        "--log-format", "json", "--enable-model-api",
+        env={"SCRIPTSERVE_INFERENCE_KEY": INFERENCE_KEY},
+    ).start()  # fmt: skip
+    yield proc, access
+    proc.stop()
+
+
+def lines(access: Path, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The access log's JSON lines, once it has at least `count`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [json.loads(x) for x in access.read_text().splitlines()] if access.exists() else []
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def line_for(access: Path, request_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        for line in lines(access, 0):
+            if line["request_id"] == request_id:
+                return line
+        time.sleep(0.05)
+    raise AssertionError(f"no access line for {request_id}: {lines(access, 0)}")
+
+
+KEY = {"Authorization": f"Bearer {INFERENCE_KEY}"}
+ROW = [BODY_MARKER] + [0.5] * 7
+
+
+def test_rest_requests_are_logged_with_their_id(logged: tuple[ServerProcess, Path]) -> None:
+    server, access = logged
+    r = httpx.post(
+        f"{server.url}/predictions/tiny?token={QUERY_SECRET}", json=ROW,
+        headers={**KEY, "X-Request-Id": "client-id-1"},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "client-id-1"
+    line = line_for(access, "client-id-1")
+    assert line["method"] == "POST" and line["path"] == "/predictions/tiny"
+    assert (line["model"], line["version"], line["status"]) == ("tiny", "1.0", 200)
+    assert line["bytes"] == len(r.content)
+    assert line["protocol"] == "rest" and line["client"].startswith("127.0.0.1:")
+    assert 0 < line["latency_ms"] < 10_000
+    assert time.time() - time.mktime(time.strptime(line["time"][:19], "%Y-%m-%dT%H:%M:%S")) < (
+        86_400  # a UTC timestamp of today (mktime reads it as local time)
+    )
+
+
+def test_a_request_without_an_id_gets_one_and_the_worker_sees_it(
+    logged: tuple[ServerProcess, Path],
+) -> None:
+    server, access = logged
+    r = httpx.post(f"{server.url}/v2/models/tiny/infer", headers=KEY, json={
+        "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": ROW}],
+    })  # fmt: skip
+    assert r.status_code == 200, r.text
+    made = r.headers["x-request-id"]
+    assert len(made) >= 8
+    assert line_for(access, made)["path"] == "/v2/models/tiny/infer"
+    server.wait(lambda _: f"handler saw request ids {made}" in server.output(), 10)
+    # A header id that is not plain visible ASCII is replaced, never logged.
+    r = httpx.get(f"{server.url}/v2/models/tiny", headers={**KEY, "X-Request-Id": "a b"})
+    assert r.status_code == 200 and r.headers["x-request-id"] != "a b"
+
+
+def test_refused_and_failed_requests_are_logged(logged: tuple[ServerProcess, Path]) -> None:
+    server, access = logged
+    cases = [
+        ({"X-Request-Id": "no-key"}, "/predictions/tiny", 401, "-"),
+        ({**KEY, "X-Request-Id": "unknown"}, "/predictions/nope", 404, "nope"),
+        ({**KEY, "X-Request-Id": "bad-row"}, "/predictions/tiny", 400, "tiny"),
+    ]
+    for headers, path, status, model in cases:
+        r = httpx.post(f"{server.url}{path}", json=[1, 2], headers=headers)
+        assert r.status_code == status, r.text
+        line = line_for(access, headers["X-Request-Id"])
+        assert (line["status"], line["model"], line["path"]) == (status, model, path)
+
+
+def test_grpc_calls_are_logged_with_their_id(logged: tuple[ServerProcess, Path]) -> None:
+    server, access = logged
+    x = triton.InferInput("x", [1, 8], "FP32")
+    x.set_data_from_numpy(np.array([ROW], np.float32))
+    metadata = {"authorization": f"Bearer {INFERENCE_KEY}", "x-request-id": "grpc-id-1"}
+    with triton.InferenceServerClient(server.grpc) as client:
+        client.infer("tiny", [x], headers=metadata)
+        with pytest.raises(InferenceServerException):
+            client.infer("nope", [x], headers={**metadata, "x-request-id": "grpc-id-2"})
+        with pytest.raises(InferenceServerException):
+            client.infer("tiny", [x], headers={"x-request-id": "grpc-id-3"})
+    ok = line_for(access, "grpc-id-1")
+    assert ok["method"] == "gRPC" and ok["path"] == "/inference.GRPCInferenceService/ModelInfer"
+    assert (ok["model"], ok["version"], ok["status"], ok["protocol"]) == (
+        "tiny", "1.0", "OK", "grpc",
+    )  # fmt: skip
+    assert ok["bytes"] > 40 and ok["client"].startswith("127.0.0.1:")
+    assert (line_for(access, "grpc-id-2")["status"], line_for(access, "grpc-id-2")["model"]) == (
+        "NOT_FOUND", "nope",
+    )  # fmt: skip
+    assert line_for(access, "grpc-id-3")["status"] == "UNAUTHENTICATED"
+
+
+def test_grpc_returns_the_request_id_in_trailing_metadata(
+    logged: tuple[ServerProcess, Path],
+) -> None:
+    server, _ = logged
+    torchserve_stubs = tsprotos.torchserve_stubs()
+    request = torchserve_stubs.ts.PredictionsRequest(
+        model_name="tiny", input={"data": json.dumps(ROW).encode()}
+    )
+    metadata = (("authorization", f"Bearer {INFERENCE_KEY}"), ("x-request-id", "ts-id-1"))
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = torchserve_stubs.ts_grpc.InferenceAPIsServiceStub(channel)
+        _, call = stub.Predictions.with_call(request, metadata=metadata)
+        assert dict(call.trailing_metadata())["x-request-id"] == "ts-id-1"
+        missing = torchserve_stubs.ts.PredictionsRequest(model_name="nope", input={"data": b"1"})
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Predictions(missing, metadata=(metadata[0], ("x-request-id", "ts-id-2")))
+        assert dict(exc.value.trailing_metadata())["x-request-id"] == "ts-id-2"
+
+
+def test_no_key_body_or_query_string_reaches_any_log(logged: tuple[ServerProcess, Path]) -> None:
+    server, access = logged
+    r = httpx.post(f"{server.url}/predictions/tiny?token={QUERY_SECRET}", json=ROW, headers=KEY)
+    assert r.status_code == 200
+    line_for(access, r.headers["x-request-id"])
+    everything = access.read_text() + server.output()
+    for secret in (INFERENCE_KEY, server.management_key, str(BODY_MARKER), QUERY_SECRET):
+        assert secret not in everything
+
+
+def test_server_logs_are_json_lines(logged: tuple[ServerProcess, Path]) -> None:
+    server, _ = logged
+    records = [json.loads(line) for line in server.output().splitlines() if line.strip()]
+    assert records and all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert any(r["logger"] == "probe" for r in records)  # worker lines too
+
+
+def test_plain_lines_are_single_lines(tmp_path: Path) -> None:
+    access = AccessLog(str(tmp_path / "access.log"), "plain")
+    try:
+        record = AccessRecord("GET", "/v2/models/a\nFORGED 200", "127.0.0.1:1", "rest", "id-1")
+        record.finish(404)
+        access.write(record)
+    finally:
+        access.close()
+    logging.getLogger("scriptserve.access").propagate = True
+    text = (tmp_path / "access.log").read_text()
+    assert text.count("\n") == 1
+    assert '"GET /v2/models/a\\nFORGED 200" rest' in text and "status=404" in text
