@@ -225,7 +225,7 @@ async def serve(settings: ServerSettings) -> int:
     devices = available_devices(settings)
     metrics = ServerMetrics()
     registry = ModelRegistry(settings, metrics, devices)
-    metrics.watch(registry.stats)
+    metrics.watch(registry.stats, registry.worker_gauges)
     dataplane = DataPlane(registry, metrics, settings)
     management = Management(registry, dataplane, settings)
     repository = ModelRepository(management)

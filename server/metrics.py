@@ -13,11 +13,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from scriptserve.handlers.base import InferenceRequest, StageTimes
+from scriptserve.server.gauges import GpuCollector, WorkerCollector, WorkerGauge
 from scriptserve.server.statistics import VersionStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -152,9 +159,18 @@ class ServerMetrics:
             ["api"], registry=self.registry,
         )  # fmt: skip
 
-    def watch(self, source: Callable[[], Iterable[VersionStats]]) -> None:
-        """Report queue depth, workers and model states from `source` at every scrape."""
+    def watch(
+        self,
+        source: Callable[[], Iterable[VersionStats]],
+        workers: Callable[[], Iterable[WorkerGauge]] | None = None,
+    ) -> None:
+        """Report queue depth, workers and model states from `source` at every scrape, each
+        worker from `workers`, the server process and the GPUs (server/gauges.py)."""
         self.registry.register(_LiveCollector(source))
+        if workers is not None:
+            self.registry.register(WorkerCollector(workers))
+        self.registry.register(ProcessCollector(registry=None))
+        self.registry.register(GpuCollector())
 
     def for_version(self, model: str, version: str) -> VersionMetrics:
         return VersionMetrics(self, model, version)

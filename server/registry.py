@@ -27,6 +27,7 @@ from scriptserve.server.errors import (
     ModelNotReady,
     ServingError,
 )
+from scriptserve.server.gauges import WorkerGauge
 from scriptserve.server.metrics import ServerMetrics, VersionStats
 from scriptserve.server.model_loading import ModelLoader, freeze_heap, stop_version
 from scriptserve.server.model_version import (
@@ -36,6 +37,7 @@ from scriptserve.server.model_version import (
     RegisteredVersion,
 )
 from scriptserve.server.settings import ServerSettings
+from scriptserve.server.workers.pool import WorkerState
 
 __all__ = [
     "FailedVersion",
@@ -142,6 +144,14 @@ class ModelRegistry:
                 )
             else:
                 yield VersionStats(mv.name, mv.version, mv.state.value, 0, {})
+
+    def worker_gauges(self) -> Iterator[WorkerGauge]:
+        for mv in self.all_versions():
+            if isinstance(mv, ModelVersion):
+                for slot in mv.pool.slots():
+                    busy = slot.state is WorkerState.BUSY
+                    pid = getattr(slot, "pid", None)  # process workers have their own
+                    yield WorkerGauge(mv.name, mv.version, slot.id, busy, pid)
 
     # -- load / unload ----------------------------------------------------------------------
     def resolve_source(self, url: str) -> Path:
