@@ -54,6 +54,7 @@ import numpy as np
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.signature import Signature
 from scriptserve.handlers.backends import BackendError
+from scriptserve.handlers.metrics import HandlerMetrics
 
 log = logging.getLogger("scriptserve.handlers")
 
@@ -183,6 +184,11 @@ class Context:
     workers: int = 1
     """How many worker threads may call the handler at once: a backend keeps that many model
     instances (a `.pt2` container's `num_models`), sharing one copy of the weights."""
+    metrics: HandlerMetrics = field(default_factory=HandlerMetrics)
+    """What the handler counts, times and gauges (handlers/metrics.py): on the server's /metrics
+    with the model's name and version."""
+    metric_declarations: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
+    """TorchServe's metrics.yaml model metrics: (kind, name, unit, dimension names) each."""
 
     @property
     def signature(self) -> Signature:

@@ -224,8 +224,11 @@ async def serve(settings: ServerSettings) -> int:
     keys = resolve_keys(settings)  # SecurityConfigError: the CLI exits 2 with its one line
     devices = available_devices(settings)
     metrics = ServerMetrics()
-    registry = ModelRegistry(settings, metrics, devices)
-    metrics.watch(registry.stats, registry.worker_gauges)
+    try:
+        registry = ModelRegistry(settings, metrics, devices)
+    except ValueError as exc:  # a metrics_config that does not read
+        raise StartupError(str(exc)) from None
+    metrics.watch(registry.stats, registry.worker_gauges, registry.handler_metrics)
     dataplane = DataPlane(registry, metrics, settings)
     management = Management(registry, dataplane, settings)
     repository = ModelRepository(management)

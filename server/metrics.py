@@ -24,7 +24,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from scriptserve.handlers.base import InferenceRequest, StageTimes
+from scriptserve.handlers.metrics import HandlerMetrics
 from scriptserve.server.gauges import GpuCollector, WorkerCollector, WorkerGauge
+from scriptserve.server.handler_metrics import HandlerMetricsCollector
 from scriptserve.server.statistics import VersionStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -163,12 +165,16 @@ class ServerMetrics:
         self,
         source: Callable[[], Iterable[VersionStats]],
         workers: Callable[[], Iterable[WorkerGauge]] | None = None,
+        handlers: Callable[[], Iterable[tuple[str, str, HandlerMetrics]]] | None = None,
     ) -> None:
         """Report queue depth, workers and model states from `source` at every scrape, each
-        worker from `workers`, the server process and the GPUs (server/gauges.py)."""
+        worker from `workers`, the handlers' own metrics from `handlers`
+        (server/handler_metrics.py), the server process and the GPUs (server/gauges.py)."""
         self.registry.register(_LiveCollector(source))
         if workers is not None:
             self.registry.register(WorkerCollector(workers))
+        if handlers is not None:
+            self.registry.register(HandlerMetricsCollector(handlers))
         self.registry.register(ProcessCollector(registry=None))
         self.registry.register(GpuCollector())
 

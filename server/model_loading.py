@@ -20,6 +20,7 @@ from scriptserve.handlers.base import Context
 from scriptserve.handlers.loader import handler_class, read_model_config
 from scriptserve.server.batching import DynamicBatcher
 from scriptserve.server.errors import InvalidInput
+from scriptserve.server.handler_metrics import read_metrics_config
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.model_settings import ModelSettings
 from scriptserve.server.model_version import ModelVersion
@@ -70,6 +71,9 @@ class ModelLoader:
         self.settings = settings
         self.metrics = metrics
         self.devices = devices
+        self.metric_declarations = (
+            read_metrics_config(settings.metrics_config) if settings.metrics_config else ()
+        )
 
     def start(
         self,
@@ -113,6 +117,7 @@ class ModelLoader:
                 intra_op_threads=self.settings.intra_op_threads,
                 model_file=model_file,
                 workers=settings.workers,
+                metric_declarations=self.metric_declarations,
             )
             batcher = DynamicBatcher(
                 settings.batch_size, settings.max_batch_delay_ms / 1000.0, settings.queue_size
@@ -156,6 +161,7 @@ class ModelLoader:
             explains=cls.explains,
             streams=cls.streams(),
             loaded_at_startup=startup,
+            handler_metrics=context.metrics,
         )
 
     def _quantize(

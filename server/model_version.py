@@ -15,6 +15,7 @@ from pathlib import Path
 from scriptserve.archiver.archive import ArchiveReader
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.signature import Signature
+from scriptserve.handlers.metrics import HandlerMetrics
 from scriptserve.server.batching import DynamicBatcher
 from scriptserve.server.model_settings import ModelSettings
 from scriptserve.server.workers import AnyWorkerPool
@@ -46,6 +47,8 @@ class ModelVersion:
     streams: bool = False
     """Its handler answers in parts (`stream`): only streaming endpoints may call it."""
     loaded_at_startup: bool = False
+    handler_metrics: HandlerMetrics = field(default_factory=HandlerMetrics)
+    """What its handler counts, times and gauges (`context.metrics`), exported on /metrics."""
     loaded_at: float = field(default_factory=time.time)
     unloading: bool = False
 
@@ -81,6 +84,8 @@ class FailedVersion:
     source: Path
     reason: str
     loaded_at_startup: bool = False
+    handler_metrics: HandlerMetrics = field(default_factory=HandlerMetrics)
+    """What its handler counts, times and gauges (`context.metrics`), exported on /metrics."""
     loaded_at: float = field(default_factory=time.time)
 
     state = ModelState.FAILED

@@ -20,6 +20,7 @@ from scriptserve.archiver.archive import ArchiveError, open_archive
 from scriptserve.archiver.manifest import ManifestError, check_model_name
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import HandlerError
+from scriptserve.handlers.metrics import HandlerMetrics
 from scriptserve.server.errors import (
     Conflict,
     InvalidInput,
@@ -144,6 +145,11 @@ class ModelRegistry:
                 )
             else:
                 yield VersionStats(mv.name, mv.version, mv.state.value, 0, {})
+
+    def handler_metrics(self) -> Iterator[tuple[str, str, HandlerMetrics]]:
+        for mv in self.all_versions():
+            if isinstance(mv, ModelVersion):
+                yield mv.name, mv.version, mv.handler_metrics
 
     def worker_gauges(self) -> Iterator[WorkerGauge]:
         for mv in self.all_versions():

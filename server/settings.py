@@ -297,6 +297,10 @@ class ServerSettings(BaseSettings):
     file overrides: TorchServe's config.properties `models`."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level of the log lines the server writes."""
+    metrics_config: Path | None = None
+    """TorchServe's metrics.yaml: the `model_metrics` it declares exist for every model's
+    handler from the start (`context.metrics.get_metric`), with their types and dimension
+    names; config.properties `metrics_config` maps here."""
     log_format: Literal["plain", "json"] = "plain"
     """`json`: every server and worker log line as one JSON object (time, level, logger,
     message, exception), for log pipelines."""

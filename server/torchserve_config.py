@@ -128,6 +128,7 @@ MAPPED: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "max_request_size": ("max_request_bytes", _int),
     "enable_model_api": ("enable_model_api", _bool),
     "disable_token_authorization": ("insecure_no_auth", _bool),
+    "metrics_config": ("metrics_config", lambda _k, v: Path(v)),
 }
 _GRPC = {
     "inference": ("grpc_inference_address", "grpc_inference_port", "7070"),

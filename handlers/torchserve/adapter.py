@@ -178,7 +178,7 @@ class TorchServeHandler(BaseHandler):
             batch_size=context.batch_size,
             gpu=properties_gpu,
             mms_version=__version__,
-            metrics=MetricsCache(context.model_name),
+            metrics=MetricsCache(context.model_name, context.metrics, context.metric_declarations),
             model_yaml_config=dict(context.model_config),
         )
         self.ts_context.system_properties["intra_op_threads"] = context.intra_op_threads

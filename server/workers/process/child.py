@@ -6,7 +6,8 @@ It talks to its slot's thread in the server over one pipe, in small messages:
   (`warmup.warm_up`), or `("error", message)` and exits;
 - it receives `("run", requests_segment, responses_segment, responses_size, described)`, reads
   the requests from shared memory, runs the batch (`run_batch`), writes the responses into the
-  responses segment and sends `("done", described_responses, (input_s, output_s))`, the seconds
+  responses segment and sends `("done", described_responses, (input_s, output_s), metrics)`
+  (what the handler's metrics changed by, handlers/metrics.py), the seconds
   spent reading and preprocessing the batch, and postprocessing and writing its answers (Triton's
   compute_input and compute_output); when they do not fit it first
   sends `("grow", bytes_needed)` and receives `("output", segment, size)`;
@@ -154,7 +155,7 @@ def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
             _, responses_name, responses_size = conn.recv()
         frame.write(segments.get("responses", responses_name))
         times.output_s += time.perf_counter() - extracting
-        conn.send(("done", metas, (times.input_s, times.output_s)))
+        conn.send(("done", metas, (times.input_s, times.output_s), context.metrics.drain()))
 
 
 def child_main(conn: Connection, spec: ChildSpec) -> None:

@@ -294,7 +294,9 @@ class ProcessRunner:
                 else:
                     child.send(("listening", True))
                 continue
-            _, metas, (input_s, output_s) = reply
+            _, metas, (input_s, output_s), changes = reply
+            if changes:
+                self._context.metrics.merge(changes)
             reading = perf_counter()
             buf = frames.segment_view(slot.responses)
             responses = [frames.read_response(buf, meta) for meta in metas]
