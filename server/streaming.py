@@ -49,6 +49,10 @@ class PartStream(Generic[T]):
         self._loop = future.get_loop()
         self._parts: deque[InferenceResponse] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.on_part: Callable[[], None] | None = None
+        """Called once, on the loop, when the first part arrives: a transport that takes a
+        one-piece answer from the future's callback (no coroutine per request) starts reading
+        the stream with `next` then."""
         # Each counter is written by one thread only: `offered` by the worker, `taken` by the
         # loop; their difference is what waits unread.
         self._offered = 0
@@ -78,6 +82,9 @@ class PartStream(Generic[T]):
         if not self.future.done():
             self._parts.append(part)
             self._wake()
+            if self.on_part is not None:
+                on_part, self.on_part = self.on_part, None
+                on_part()
 
     def _overrun(self) -> None:
         if not self.future.done():
@@ -107,6 +114,13 @@ class PartStream(Generic[T]):
                 return None if last.empty else self._answer(last)
             self._waiter = self._loop.create_future()
             await self._waiter
+
+    def result(self) -> T | None:
+        """The answer of a stream that ended before any part came (its future done, nothing
+        queued), at once: its last part, or None when that is empty. Raises what ended it."""
+        self.ended = True
+        last = self.future.result()
+        return None if last.empty else self._answer(last)
 
     def close(self) -> None:
         """The client went away: stop its parts (the worker notices at its next step)."""

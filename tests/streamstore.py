@@ -68,6 +68,26 @@ class Counter(BaseHandler):
 """
 
 
+INTERMEDIATE = """
+import numpy as np
+
+from scriptserve.handlers.base import BaseHandler, InferenceResponse, send_parts
+
+
+class Intermediate(BaseHandler):
+    \"\"\"Answers once (it does not implement `stream`), after two intermediate parts sent with
+    send_parts, as a TorchServe handler's send_intermediate_predict_response does.\"\"\"
+
+    def initialize(self, context):
+        self.context = context
+
+    def handle(self, requests, context):
+        for step in range(2):
+            send_parts([InferenceResponse(outputs={"n": np.array([step])}) for _ in requests])
+        return [InferenceResponse(outputs={"n": np.array([2])}) for _ in requests]
+"""
+
+
 def archive_lm(store: Path, work: Path, name: str, model: Path, handler: str) -> None:
     sample = work / "tokens.json"
     sample.write_text(json.dumps(list(b"the quic")))

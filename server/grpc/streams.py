@@ -11,9 +11,10 @@ for one with the `triton_enable_empty_final_response` parameter (tritonclient's
 a reply with `error_message` (marked final); the call goes on.
 
 A request's parts are taken from its `PartStream` only as fast as the client reads the call
-(one write waits at a time per request), so a slow reader fills the stream's bound and ends
-that request with RESOURCE_EXHAUSTED rather than growing the server's memory. Ending the call
-(client cancel, deadline) ends every stream in it: their workers stop at their next step.
+(one reply waits to be written at a time per request), so a slow reader fills the stream's
+bound and ends that request with RESOURCE_EXHAUSTED rather than growing the server's memory.
+Ending the call (client cancel, deadline) ends every stream in it: their workers stop at their
+next step.
 """
 
 from __future__ import annotations
@@ -61,25 +62,47 @@ def _error_reply(request: Any, error: ServingError) -> oip.ModelStreamInferRespo
     return reply
 
 
+Reply = oip.ModelStreamInferResponse
+
+
 class StreamInferCall:
-    """One `ModelStreamInfer` call (see the module docstring)."""
+    """One `ModelStreamInfer` call (see the module docstring).
+
+    A request to a model that answers once is answered from its future's callback, with no
+    coroutine of its own (a stream may carry thousands); only a request whose parts come (a
+    model that streams, or a TorchServe handler's intermediate responses) gets a task that reads
+    them. One writer sends the replies in the order they are ready; a part waits until it is
+    written before the next is taken from its stream.
+    """
 
     def __init__(self, dataplane: DataPlane, context: grpc.aio.ServicerContext) -> None:
         self._dataplane = dataplane
         self._context = context
-        self._writing = asyncio.Lock()
-        self._answering: set[asyncio.Task[None]] = set()
+        self._replies: asyncio.Queue[tuple[Reply, asyncio.Future[None] | None] | None]
+        self._replies = asyncio.Queue()
+        self._streams: set[PartStream[Served]] = set()
+        self._readers: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def serve(self, requests: AsyncIterator[Any]) -> None:
         """Read the client's requests until it half-closes, then finish every answer."""
+        writer = asyncio.create_task(self._write_replies())
         try:
             async for request in requests:
                 self._start(request)
-            while self._answering:
-                await asyncio.gather(*self._answering)
+            idle = asyncio.ensure_future(self._idle.wait())
+            await asyncio.wait((idle, writer), return_when=asyncio.FIRST_COMPLETED)
+            idle.cancel()
+            if not writer.done():
+                self._replies.put_nowait(None)
+            await writer  # raises what ended the writing
         finally:
-            for task in self._answering:
+            for stream in list(self._streams):
+                stream.close()
+            for task in list(self._readers):
                 task.cancel()
+            writer.cancel()
 
     def _start(self, request: Any) -> None:
         try:
@@ -89,11 +112,41 @@ class StreamInferCall:
                 timeout_s=self._context.time_remaining(),
             )  # fmt: skip
         except ServingError as exc:
-            task = asyncio.ensure_future(self._write(_error_reply(request, exc)))
-        else:
-            task = asyncio.ensure_future(self._answer(request, stream))
-        self._answering.add(task)
-        task.add_done_callback(self._answering.discard)
+            self._replies.put_nowait((_error_reply(request, exc), None))
+            return
+        self._streams.add(stream)
+        self._idle.clear()
+        if stream.streaming:
+            self._read(request, stream)
+            return
+        stream.on_part = functools.partial(self._read, request, stream)
+        stream.future.add_done_callback(functools.partial(self._answered, request, stream))
+
+    def _answered(self, request: Any, stream: PartStream[Served], _: object) -> None:
+        """A one-piece answer is ready (or the stream ended): reply unless a reader took it."""
+        if stream.on_part is None:  # parts came: the reader answers
+            return
+        self._finished(stream)
+        try:
+            served = stream.result()
+        except ServingError as exc:
+            self._replies.put_nowait((_error_reply(request, exc), None))
+            return
+        except BaseException:
+            return
+        if served is None:
+            served = Served(stream.model_name, stream.model_version, InferenceResponse())
+        self._replies.put_nowait((_reply(request, served, True), None))
+
+    def _read(self, request: Any, stream: PartStream[Served]) -> None:
+        reader = asyncio.ensure_future(self._answer(request, stream))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+
+    def _finished(self, stream: PartStream[Served]) -> None:
+        self._streams.discard(stream)
+        if not self._streams:
+            self._idle.set()
 
     async def _answer(self, request: Any, stream: PartStream[Served]) -> None:
         """Write the request's parts as they come, then its empty final reply if it asked."""
@@ -101,18 +154,28 @@ class StreamInferCall:
         try:
             while (served := await stream.next()) is not None:
                 final = stream.ended
-                await self._write(_reply(request, served, final))
+                await self._send(_reply(request, served, final))
             if not final and _wants_empty_final(request):
                 empty = Served(stream.model_name, stream.model_version, InferenceResponse())
-                await self._write(_reply(request, empty, True))
+                await self._send(_reply(request, empty, True))
         except ServingError as exc:
-            await self._write(_error_reply(request, exc))
+            await self._send(_error_reply(request, exc))
         finally:
             stream.close()
+            self._finished(stream)
 
-    async def _write(self, reply: oip.ModelStreamInferResponse) -> None:
-        async with self._writing:  # one message at a time on the call
+    async def _send(self, reply: Reply) -> None:
+        """Queue a reply and wait until it is written."""
+        written = asyncio.get_running_loop().create_future()
+        self._replies.put_nowait((reply, written))
+        await written
+
+    async def _write_replies(self) -> None:
+        while (item := await self._replies.get()) is not None:
+            reply, written = item
             await self._context.write(reply)
+            if written is not None and not written.done():
+                written.set_result(None)
 
 
 async def prediction_parts(

@@ -12,6 +12,7 @@ from serving import ServerProcess
 from streamstore import (
     BIG_PARTS,
     COUNTER,
+    INTERMEDIATE,
     MAX_UNREAD,
     SEND_TIMEOUT_S,
     SLOW_MATMULS,
@@ -68,7 +69,8 @@ def streaming_server(
 ) -> Iterator[ServerProcess]:
     """One worker per model, batches gathered for 20 ms, at most MAX_UNREAD parts waiting for
     a client: `tinylm` and `slowlm` (text_generator, ~30 ms a token), `bigparts` (400 parts of
-    64 KiB), `counter` (its `count` parameter's parts, then an empty end) and `ts_stream` (a
+    64 KiB), `counter` (its `count` parameter's parts, then an empty end), `intermediate` (two parts
+    sent by a handler that answers once) and `ts_stream` (a
     TorchServe handler sending intermediate responses)."""
     work = tmp_path_factory.mktemp("streaming")
     store = work / "store"
@@ -78,6 +80,8 @@ def streaming_server(
     archive_lm(store, work, "slowlm", save_torchscript(work / "slow.pt", slow), "text_generator")
     archive_lm(store, work, "bigparts", work / "lm.pt", str(write(work / "big.py", BIG_PARTS)))
     archive_lm(store, work, "counter", work / "lm.pt", str(write(work / "counter.py", COUNTER)))
+    handler = str(write(work / "intermediate.py", INTERMEDIATE))
+    archive_lm(store, work, "intermediate", work / "lm.pt", handler)
     write(work / "ts_stream.py", TS_STREAMING)
     torch_model_archiver(
         work, store, "ts_stream", "--serialized-file", "lm.pt", "--handler", "ts_stream.py"

@@ -257,3 +257,15 @@ def test_a_reader_that_falls_behind_is_ended_not_buffered(
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"{MAX_UNREAD} parts waited unread" in exc.value.details()
     assert MAX_UNREAD <= received < 400
+
+
+def test_intermediate_responses_of_a_model_that_answers_once_are_replies_too(
+    server: ServerProcess,
+) -> None:
+    # `intermediate` does not declare that it streams; the parts its handler sends (as a
+    # TorchServe handler's send_intermediate_predict_response does) still reach ModelStreamInfer,
+    # each as a reply, before the answer the handler returns.
+    got = stream_until_final(server, {"i": ("intermediate", "x", {})})
+    replies = [result for result, _ in got["i"] if result is not None]
+    assert [int(r.as_numpy("n")[0]) for r in replies] == [0, 1, 2]
+    assert [final(r) for r in replies] == [False, False, True]
