@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import logging
 import signal
@@ -221,6 +222,7 @@ async def serve(settings: ServerSettings) -> int:
     # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
     # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
+    gc.set_threshold(settings.gc_young_threshold, 20, 20)
     keys = resolve_keys(settings)  # SecurityConfigError: the CLI exits 2 with its one line
     devices = available_devices(settings)
     metrics = ServerMetrics()

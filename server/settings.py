@@ -158,6 +158,11 @@ class ServerSettings(BaseSettings):
     gil_switch_interval_ms: float = Field(default=1.0, gt=0)
     """How long a thread may hold the GIL while another waits for it (Python's default is 5 ms).
     A worker whose model call has finished waits this long, at most, for the event loop."""
+    gc_young_threshold: int = Field(default=20_000, ge=700)
+    """Allocations between two collections of the youngest generation (Python's default is 700;
+    the older generations are collected 20 times less often each). A request allocates a few
+    hundred objects that all die young: with the default, the collector runs every few
+    requests and costs scenario A about a tenth of its throughput on this project's machine."""
     max_batch_size: int = Field(default=32, ge=1)
     """Most requests one model call takes, unless a model's config (`batchSize`) or its
     registration says otherwise."""

@@ -1,0 +1,106 @@
+"""Scenario A served by two trees at once, loaded in turn: a before/after comparison whose
+ratios are taken round by round, so the machine's drift touches both sides alike.
+
+    git worktree add /tmp/before <commit>
+    python -m venv --system-site-packages /tmp/before-venv
+    /tmp/before-venv/bin/pip install --no-deps -e /tmp/before
+    python -m benchmarks.ab --other /tmp/before-venv/bin/python [--rounds 6] [--seconds 8]
+    python -m benchmarks.ab --other-env SCRIPTSERVE_GC_YOUNG_THRESHOLD=700   # a setting instead
+
+Both servers serve the scenario-A MLP archive (benchmarks/models.py) with the scenarios'
+settings (workers = CPU count, one intra-op thread, batches of up to 32 with no delay); wrk
+loads `/predictions/mlp` with 32 connections, one server at a time, alternating. The idle server
+takes no CPU meanwhile. Prints each round, the medians and the per-round ratios, and writes
+them to benchmarks/results/ab-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import models, report
+from benchmarks.loadgen import run_wrk, wrk_path
+from benchmarks.servers import ServerProcess, free_port
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def server(label: str, python: str, store: Path, env: dict[str, str]) -> ServerProcess:
+    port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+    argv = [
+        python, "-m", "scriptserve", "serve", "--model-store", str(store), "--models", "all",
+        "--inference-address", f"127.0.0.1:{port}", "--management-address", f"127.0.0.1:{mgmt}",
+        "--metrics-address", f"127.0.0.1:{metrics}",
+        "--grpc-inference-address", f"127.0.0.1:{grpc}",
+        "--grpc-management-address", f"127.0.0.1:{grpc_mgmt}",
+        "--workers", str(os.cpu_count() or 1), "--intra-op-threads", "1",
+        "--max-batch-size", "32", "--max-batch-delay", "0", "--log-level", "warning",
+    ]  # fmt: skip
+    return ServerProcess(label, argv, port, "/v2/models/mlp/ready", env)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--other", default=sys.executable, help="the other tree's python")
+    p.add_argument("--other-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment of the other server (repeatable)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wrk_path()
+    other_env = dict(item.split("=", 1) for item in args.other_env)
+    started = dt.datetime.now().astimezone()
+    load_before = os.getloadavg()
+    runs: dict[str, list[float]] = {"this": [], "other": []}
+    with tempfile.TemporaryDirectory(prefix="scriptserve-ab-") as tmp:
+        store = Path(tmp) / "store"
+        model = models.build("mlp", Path(tmp) / "work", store)
+        servers = {
+            "this": server("this", sys.executable, store, {}),
+            "other": server("other", args.other, store, other_env),
+        }
+        with servers["this"], servers["other"]:
+            for s in servers.values():
+                run_wrk(f"{s.url}/predictions/mlp", 32, 3, 2, model.body)  # warm-up
+            for round_ in range(args.rounds):
+                for label, s in servers.items():
+                    result = run_wrk(f"{s.url}/predictions/mlp", 32, args.seconds, 2, model.body)
+                    runs[label].append(result.rps)
+                print(f"round {round_ + 1}: this {runs['this'][-1]:.0f} req/s, "
+                      f"other {runs['other'][-1]:.0f}", flush=True)  # fmt: skip
+    ratios = [a / b for a, b in zip(runs["this"], runs["other"], strict=True)]
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print(
+        f"medians: this {medians['this']:.0f} req/s, other {medians['other']:.0f}; "
+        f"this / other per round: {' '.join(f'{r:.3f}' for r in ratios)} "
+        f"(median {statistics.median(ratios):.3f})"
+    )
+    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg()}  # fmt: skip
+    print(report.host_line(host))
+    out = args.output or RESULTS / f"ab-{started:%Y-%m-%dT%H%M}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "benchmark": "ab", "started": started.isoformat(timespec="seconds"),
+        "other": args.other, "other_env": other_env, "seconds": args.seconds, "host": host,
+        "runs": runs, "medians": medians, "ratios": ratios,
+    }  # fmt: skip
+    out.write_text(report.compact_json(document))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
