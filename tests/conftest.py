@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import headstart
 import pytest
 from testmodels import TinyMLP, reference_output, save_onnx, save_torchscript
 
@@ -72,8 +73,16 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
     return make
 
 
+# Session fixtures whose making takes minutes of child processes: what starts them in the
+# background (headstart.py) once collection shows they will be used.
+HEAD_STARTS = ("built_image", "runtime_venv")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need CUDA; skip them (with the reason) where there is none."""
+    """Tests that use a fixture with a head start run last, so that it has the whole run to be
+    made while the other tests go on (the order is stable otherwise). Tests marked `gpu` need
+    CUDA; they are skipped (with the reason) where there is none."""
+    items.sort(key=lambda item: any(name in _fixtures(item) for name in HEAD_STARTS))
     import torch
 
     if torch.cuda.is_available():
@@ -82,3 +91,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    used = {name for item in session.items for name in _fixtures(item)}
+    if "built_image" in used:
+        from tests.docker.buildah import build_default_image, unbuildable_reason
+
+        if unbuildable_reason() is None:
+            headstart.start("image", build_default_image)
+    if "runtime_venv" in used:
+        import distribution
+
+        headstart.start("runtime_venv", distribution.runtime_venv)
+
+
+def _fixtures(item: pytest.Item) -> list[str]:
+    return list(getattr(item, "fixturenames", ()))

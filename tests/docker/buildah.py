@@ -45,6 +45,15 @@ def missing_tools() -> list[str]:
     return [t for t in ("buildah", "podman", "debootstrap") if shutil.which(t) is None]
 
 
+def unbuildable_reason() -> str | None:
+    """Why the image cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "building images with buildah needs root"
+    if missing_tools():
+        return f"needs {', '.join(missing_tools())} (apt-get install buildah podman debootstrap)"
+    return None
+
+
 def run(
     cmd: list[str], timeout_s: float = 900, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
@@ -186,3 +195,8 @@ def build_image(storage: Storage) -> BuiltImage:
             run(storage.buildah("rmi", "--force", old), check=False)
     run(storage.buildah("rmi", "--prune"), check=False)
     return BuiltImage(storage, tag, elapsed)
+
+
+def build_default_image() -> BuiltImage:
+    """The image on the storage this machine supports."""
+    return build_image(pick_storage())

@@ -1,0 +1,75 @@
+"""The distribution as users get it, built from this checkout: its files as git would commit
+them, the wheel, and a fresh virtual environment holding the wheel without extras.
+
+Plain functions, so that the slow one (the environment) can get a head start (headstart.py);
+tests/packaging/conftest.py wraps them as fixtures.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def checkout_files() -> list[str]:
+    """The checkout's files as git would commit them (tracked, or untracked and not ignored),
+    relative to the repository root: never build outputs, caches or virtual environments."""
+    # A virtual environment made in the checkout (`python3 -m venv .venv`) is not ignored by
+    # every .gitignore; leave out any folder that is one.
+    venvs = [f":(exclude){cfg.parent.name}" for cfg in REPO.glob("*/pyvenv.cfg")]
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", ".", *venvs],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    # A file deleted but not yet staged is still listed.
+    return [name for name in listing.split("\0") if name and (REPO / name).is_file()]
+
+
+def build_wheel(root: Path) -> Path:
+    """The wheel of this checkout, built under `root` (about 3 s: no isolated build env).
+
+    It is built from a copy of the checkout's files, not from the checkout: setuptools reuses
+    the checkout's build/lib, where a module deleted since the last build would still sit and
+    ship.
+    """
+    sources = root / "src"
+    for name in checkout_files():
+        (sources / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, sources / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(root / "dist"), str(sources)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    shutil.rmtree(sources)
+    (built,) = (root / "dist").glob("scriptserve-*.whl")
+    return built
+
+
+def runtime_venv() -> Path:
+    """A fresh virtual environment in a new temporary folder, holding this checkout's wheel
+    without extras; returns its bin/ folder. The caller deletes `bin/../..` when done.
+
+    Its ~1.2 GB are downloaded or unpacked (about 45 s when pip's cache is warm). This
+    environment's pip installs into it (`--python`), which spares the venv its own pip.
+    """
+    root = Path(tempfile.mkdtemp(prefix="scriptserve-runtime-"))
+    wheel = build_wheel(root / "wheel")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+         "--disable-pip-version-check", "-c", str(REPO / "constraints.txt"), str(wheel)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return venv / "bin"
