@@ -58,7 +58,7 @@ def test_every_file_parses_and_names_known_kinds() -> None:
                             "HorizontalPodAutoscaler", "ClusterServingRuntime",
                             *["InferenceService"] * 3])  # fmt: skip
     assert load_all(DOCKER / "prometheus.yml")
-    assert set(COMPOSE["services"]) == {"scriptserve", "prometheus"}
+    assert set(COMPOSE["services"]) == {"scriptserve", "prometheus", "grafana"}
 
 
 def test_probe_and_metrics_paths_are_the_servers_routes(server: ServerProcess) -> None:
