@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import models, report
@@ -45,6 +46,32 @@ def server(label: str, python: str, store: Path, env: dict[str, str]) -> ServerP
     return ServerProcess(label, argv, port, "/v2/models/mlp/ready", env)
 
 
+def alternate(
+    servers: dict[str, ServerProcess],
+    rounds: int,
+    seconds: float,
+    body: Path,
+    settle: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Load each server in turn with wrk (32 connections on scenario A's request) for
+    `rounds` rounds after a warm-up; each one's req/s, round by round. `settle` runs after
+    each load, before the next server's: what one server leaves to do after its round (e.g.
+    exporting spans) must not be charged to the next."""
+    runs: dict[str, list[float]] = {label: [] for label in servers}
+    for s in servers.values():
+        run_wrk(f"{s.url}/predictions/mlp", 32, 3, 2, body)  # warm-up
+        if settle is not None:
+            settle()
+    for round_ in range(rounds):
+        for label, s in servers.items():
+            runs[label].append(run_wrk(f"{s.url}/predictions/mlp", 32, seconds, 2, body).rps)
+            if settle is not None:
+                settle()
+        line = ", ".join(f"{label} {values[-1]:.0f}" for label, values in runs.items())
+        print(f"round {round_ + 1}: {line} req/s", flush=True)
+    return runs
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -63,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     other_env = dict(item.split("=", 1) for item in args.other_env)
     started = dt.datetime.now().astimezone()
     load_before = os.getloadavg()
-    runs: dict[str, list[float]] = {"this": [], "other": []}
     with tempfile.TemporaryDirectory(prefix="scriptserve-ab-") as tmp:
         store = Path(tmp) / "store"
         model = models.build("mlp", Path(tmp) / "work", store)
@@ -72,14 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "other": server("other", args.other, store, other_env),
         }
         with servers["this"], servers["other"]:
-            for s in servers.values():
-                run_wrk(f"{s.url}/predictions/mlp", 32, 3, 2, model.body)  # warm-up
-            for round_ in range(args.rounds):
-                for label, s in servers.items():
-                    result = run_wrk(f"{s.url}/predictions/mlp", 32, args.seconds, 2, model.body)
-                    runs[label].append(result.rps)
-                print(f"round {round_ + 1}: this {runs['this'][-1]:.0f} req/s, "
-                      f"other {runs['other'][-1]:.0f}", flush=True)  # fmt: skip
+            runs = alternate(servers, args.rounds, args.seconds, model.body)
     ratios = [a / b for a, b in zip(runs["this"], runs["other"], strict=True)]
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print(

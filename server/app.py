@@ -39,8 +39,10 @@ from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_route
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
 from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
+from scriptserve.server.rest.tracing import Traced
 from scriptserve.server.security import AccessKeys, resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
+from scriptserve.server.tracing import Tracing, TracingUnavailable
 
 log = logging.getLogger("scriptserve.app")
 
@@ -165,9 +167,10 @@ def _http_apps(
     keys: AccessKeys,
     metrics: ServerMetrics,
     access: AccessLog,
+    tracing: Tracing,
 ) -> list[tuple[str, Any, str]]:
     """The inference, management and metrics apps, each behind its guard (and the access log
-    when it is on), with the address it listens on."""
+    and tracing when they are on), with the address it listens on."""
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
     probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
@@ -207,12 +210,31 @@ def _http_apps(
             settings.metrics_address,
         ),
     ]
+    if tracing.enabled:  # outside the guard: refused requests are traced too
+        apps = [
+            (what, Traced(app, tracing) if what != "metrics" else app, address)
+            for what, app, address in apps
+        ]
     if access.enabled:  # an ASGI layer costs every request: only when there is a log to write
         apps = [
             (what, AccessLogged(app, access) if what != "metrics" else app, address)
             for what, app, address in apps
         ]
     return apps
+
+
+def start_tracing(settings: ServerSettings) -> Tracing:
+    """The tracer from the settings (and OTEL_* variables); StartupError when it cannot be."""
+    try:
+        return Tracing(
+            settings.tracing,
+            endpoint=settings.tracing_endpoint,
+            protocol=settings.tracing_protocol,
+            sampling_ratio=settings.tracing_sampling_ratio,
+            service_name=settings.tracing_service_name,
+        )
+    except (TracingUnavailable, ValueError) as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -235,7 +257,8 @@ async def serve(settings: ServerSettings) -> int:
     management = Management(registry, dataplane, settings)
     repository = ModelRepository(management)
     access = AccessLog(settings.access_log, settings.access_log_format)
-    apps = _http_apps(settings, dataplane, management, repository, keys, metrics, access)
+    tracing = start_tracing(settings)
+    apps = _http_apps(settings, dataplane, management, repository, keys, metrics, access, tracing)
     sockets = [bind(address) for _, _, address in apps]
     connections = HttpConnections(ConnectionLimits.from_settings(settings))
     servers = []
@@ -263,7 +286,7 @@ async def serve(settings: ServerSettings) -> int:
     for (what, _, _), sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("%s API listening on http://%s:%d", what, host, port)
-    grpc_servers = GrpcServers(dataplane, management, settings, keys, repository)
+    grpc_servers = GrpcServers(dataplane, management, settings, keys, repository, tracing)
     try:
         grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)
     except RuntimeError as exc:
@@ -292,6 +315,7 @@ async def serve(settings: ServerSettings) -> int:
     for sock in sockets:
         sock.close()
     access.close()
+    tracing.close()
     log.info("stopped")
     return 0
 

@@ -37,6 +37,24 @@ class Job:
     taken: bool = False
     stream: PartStream[Any] | None = None
     """Where its parts go when its client takes the answer as a stream."""
+    span_context: Any = None
+    """The OpenTelemetry SpanContext of its request's span, when it is traced (tracing.py)."""
+    batch: BatchRecord | None = None
+    """The run of the batch it was in, once a worker ran it (left only on traced jobs)."""
+
+
+@dataclass(eq=False)
+class BatchRecord:
+    """One run of a batch by a worker, as the traces of its requests show it."""
+
+    jobs: list[Job]
+    worker: int
+    started: float
+    """time.monotonic() when the worker began the batch."""
+    ended: float = 0.0
+    input_s: float = 0.0
+    """Seconds of the handler's preprocessing (StageTimes), then of its postprocessing."""
+    output_s: float = 0.0
 
 
 @dataclass

@@ -43,6 +43,8 @@ from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.streaming import PartStream, StreamRefused
+from scriptserve.server.tracing import note_answered, note_answered_when, note_queued
+from scriptserve.server.tracing import note_model as trace_model
 
 log = logging.getLogger("scriptserve.dataplane")
 
@@ -114,6 +116,7 @@ class DataPlane(DescribesModels):
             finally:
                 timer.cancel()
                 self._leave(mv)
+                note_answered()
             served = served_by(mv, response, job.request.outputs)
             status = 200
             return served
@@ -150,6 +153,7 @@ class DataPlane(DescribesModels):
             self.metrics.observe_request(*self._unknown(name), protocol, exc.status, elapsed)
             return outcome
         self._enter(mv)
+        note_answered_when(job.future)
 
         def answer(future: asyncio.Future[InferenceResponse]) -> int:
             error = future.exception()
@@ -216,6 +220,7 @@ class DataPlane(DescribesModels):
                 await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
             finally:
                 self._leave(mv)
+                note_answered()
             for i, future in enumerate(futures):
                 error = future.exception() if future.done() else None
                 if isinstance(error, ServingError) and 400 <= error.status < 500:
@@ -265,7 +270,7 @@ class DataPlane(DescribesModels):
             self.metrics.observe_request(*self._unknown(name), protocol, exc.status, elapsed)
             raise
         self._enter(mv)
-
+        note_answered_when(job.future)
         self._track(mv, job, timer, protocol, started, timeout_s)
         assert job.stream is not None
         return job.stream
@@ -302,10 +307,12 @@ class DataPlane(DescribesModels):
 
     def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
         note_model(name, version)
+        trace_model(name, version)
         if self.draining:
             raise ModelNotReady("the server is shutting down; retry on another replica")
         mv = self.registry.get(name, version)
         note_model(name, mv.version)
+        trace_model(name, mv.version)
         if mv.state is ModelState.FAILED:
             raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
         if mv.pool.size == 0:
@@ -345,6 +352,7 @@ class DataPlane(DescribesModels):
                 streaming=mv.streams,
             )
         mv.batcher.submit(job)
+        note_queued(job)
         return job, loop.call_later(budget, expire, job, mv.batcher, budget)
 
     def _enter(self, mv: ModelVersion) -> None:

@@ -314,6 +314,21 @@ class ServerSettings(BaseSettings):
     `off`, `stderr`, `stdout` or a file, appended to."""
     access_log_format: Literal["plain", "json"] = "plain"
     """The access log's lines: plain text, or one JSON object per line."""
+    tracing: bool = False
+    """OpenTelemetry tracing (server/tracing.py): a span per request with its decode, queue,
+    batch and encode steps, exported over OTLP. Needs the `tracing` extra."""
+    tracing_endpoint: str | None = None
+    """Where spans go: `http://collector:4317` (grpc) or `http://collector:4318/v1/traces`
+    (http/protobuf). Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT,
+    else the protocol's localhost default."""
+    tracing_protocol: Literal["grpc", "http/protobuf"] | None = None
+    """OTLP over gRPC or HTTP. Unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or
+    OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf."""
+    tracing_sampling_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """The share of traces started here that are sampled (a client's sampled flag is followed).
+    Unset: OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else every trace."""
+    tracing_service_name: str | None = None
+    """The service.name of the spans. Unset: OTEL_SERVICE_NAME, else `scriptserve`."""
 
     @field_validator(
         "inference_address",

@@ -28,10 +28,12 @@ from scriptserve.server.grpc.auth import interceptors
 from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInferenceServicer
 from scriptserve.server.grpc.malformed import MalformedMessageInterceptor
 from scriptserve.server.grpc.management import ManagementServicer
+from scriptserve.server.grpc.tracing import TracingInterceptor
 from scriptserve.server.management import Management
 from scriptserve.server.repository import ModelRepository
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
+from scriptserve.server.tracing import Tracing
 
 _OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 REPOSITORY_METHODS = frozenset(
@@ -87,6 +89,7 @@ class GrpcServers:
         settings: ServerSettings,
         keys: AccessKeys | None = None,
         repository: ModelRepository | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         keys = keys or AccessKeys(None, None, enforced=False)
         repository = repository or ModelRepository(management)
@@ -95,6 +98,8 @@ class GrpcServers:
         # without its key is refused whatever it carries.
         self.access = AccessLog(settings.access_log, settings.access_log_format)
         logged = [AccessInterceptor(self.access)] if self.access.enabled else []
+        if tracing is not None and tracing.enabled:
+            logged.append(TracingInterceptor(tracing))
         inference_keys = interceptors(keys, "inference", REPOSITORY_METHODS)
         self.inference = grpc.aio.server(
             options=options,

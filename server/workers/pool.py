@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse, PartSink, StageTimes
-from scriptserve.server.batching import DynamicBatcher, Job
+from scriptserve.server.batching import BatchRecord, DynamicBatcher, Job
 from scriptserve.server.errors import (
     DeadlineExceeded,
     InferenceFailed,
@@ -177,6 +177,17 @@ def hand_back(jobs: list[Job], outcomes: Sequence[object]) -> None:
     if jobs:
         pairs = list(zip(jobs, outcomes, strict=True))
         jobs[0].future.get_loop().call_soon_threadsafe(deliver, pairs)
+
+
+def traced(jobs: list[Job], worker: int) -> BatchRecord | None:
+    """The record of a batch starting now, left on its jobs, when one of them is traced."""
+    for job in jobs:
+        if job.span_context is not None:
+            record = BatchRecord(jobs, worker, time.monotonic())
+            for each in jobs:
+                each.batch = record
+            return record
+    return None
 
 
 def fail_jobs(jobs: list[Job], error: ServingError) -> None:
@@ -383,11 +394,16 @@ class WorkerPool(Generic[S]):
         requests = [job.request for job in jobs]
         times = StageTimes()
         started = time.perf_counter()
+        record = traced(jobs, slot.id)
         try:
             responses = self.runner.run(self, slot, requests, times, self._parts(jobs))
         except WorkerLost as lost:
             fail_jobs(jobs, lost.error)
             return
+        finally:
+            if record is not None:
+                record.ended = time.monotonic()
+                record.input_s, record.output_s = times.input_s, times.output_s
         self.metrics.observe_batch(requests, time.perf_counter() - started, times)
         slot.batches += 1
         if slot.state is WorkerState.BUSY:  # not if it was given up meanwhile

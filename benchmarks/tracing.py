@@ -1,0 +1,130 @@
+"""What tracing costs scenario A: the same tree with tracing off, on with every trace sampled,
+and on with 1 % sampled (and, given `--before`, a tree from before tracing existed), each
+loaded in turn by wrk round after round, as benchmarks/ab.py does.
+
+    python -m benchmarks.tracing [--before /tmp/before-venv/bin/python] [--rounds 6]
+
+Spans go over OTLP/gRPC to benchmarks/otlp_sink.py, a receiver in its own process on this
+machine that decodes and counts them (a collector elsewhere would take that CPU off the
+server's machine). After each load the benchmark waits for the servers and the receiver to go
+quiet, so spans still being exported from one server's round are not charged to the next.
+Prints each round, the medians and the per-round ratios to tracing off, and
+writes them to benchmarks/results/tracing-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks import models, report
+from benchmarks.ab import RESULTS, alternate, server
+from benchmarks.loadgen import wrk_path
+from benchmarks.servers import ServerProcess, free_port
+
+
+def quiet(pids: list[int], idle_share: float = 0.05, timeout_s: float = 60.0) -> None:
+    """Wait until the processes `pids` together use less than `idle_share` of a core over
+    half a second: a traced server goes on exporting spans after its round (up to the batch
+    processor's queue of 2,048), and the receiver on decoding them."""
+    procs = [psutil.Process(pid) for pid in pids]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = sum(sum(p.cpu_times()[:2]) for p in procs)
+        time.sleep(0.5)
+        if sum(sum(p.cpu_times()[:2]) for p in procs) - before < idle_share * 0.5:
+            return
+
+
+def traced(endpoint: str, ratio: float) -> dict[str, str]:
+    return {
+        "SCRIPTSERVE_TRACING": "true",
+        "SCRIPTSERVE_TRACING_ENDPOINT": endpoint,
+        "SCRIPTSERVE_TRACING_PROTOCOL": "grpc",
+        "SCRIPTSERVE_TRACING_SAMPLING_RATIO": str(ratio),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tracing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--before", help="python of a tree from before tracing (tracing off)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
+    args = p.parse_args(argv)
+    wrk_path()
+    started = dt.datetime.now().astimezone()
+    load_before = os.getloadavg()
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.otlp_sink", "--port", str(port)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert sink.stdout is not None
+    sink.stdout.readline()  # listening
+    try:
+        with tempfile.TemporaryDirectory(prefix="scriptserve-tracing-") as tmp:
+            store = Path(tmp) / "store"
+            model = models.build("mlp", Path(tmp) / "work", store)
+            servers: dict[str, ServerProcess] = {
+                "off": server("off", sys.executable, store, {}),
+                "on-100%": server("on-100%", sys.executable, store, traced(endpoint, 1.0)),
+                "on-1%": server("on-1%", sys.executable, store, traced(endpoint, 0.01)),
+            }
+            if args.before:
+                servers["before"] = server("before", args.before, store, {})
+            for s in servers.values():
+                s.__enter__()
+            pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
+            try:
+                runs = alternate(
+                    servers, args.rounds, args.seconds, model.body, settle=lambda: quiet(pids)
+                )
+            finally:
+                for s in servers.values():
+                    s.stop()
+    finally:
+        sink.send_signal(signal.SIGTERM)
+        received = sink.communicate(timeout=30)[0].strip()
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = {
+        label: [a / b for a, b in zip(values, runs["off"], strict=True)]
+        for label, values in runs.items()
+        if label != "off"
+    }
+    print("medians: " + ", ".join(f"{k} {v:.0f} req/s" for k, v in medians.items()))
+    for label, values in ratios.items():
+        print(
+            f"{label} / off per round: {' '.join(f'{r:.3f}' for r in values)} "
+            f"(median {statistics.median(values):.3f})"
+        )
+    print(f"OTLP receiver: {received}")
+    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg()}  # fmt: skip
+    print(report.host_line(host))
+    out = args.output or RESULTS / f"tracing-{started:%Y-%m-%dT%H%M}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "benchmark": "tracing", "started": started.isoformat(timespec="seconds"),
+        "before": args.before, "seconds": args.seconds, "host": host, "runs": runs,
+        "medians": medians, "ratios_to_off": ratios, "otlp_receiver": received,
+    }  # fmt: skip
+    out.write_text(report.compact_json(document))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
