@@ -1,6 +1,7 @@
 """Management operations, protocol-neutral: register, scale, unregister, set the default
-version, describe, list. The REST management API and TorchServe's gRPC management service
-both call these, with the same parameters under TorchServe's names.
+version, describe, list, and profile (server/profiling.py). The REST management API and
+TorchServe's gRPC management service both call these, with the same parameters under
+TorchServe's names.
 
     await management.register(Registration(url="mnist.mar", batch_size=8))
 """
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.description import describe_version
 from scriptserve.server.errors import InvalidInput, MethodNotAllowed, ServingError, invalid_fields
+from scriptserve.server.profiling import ProfileOptions, Profiler, ProfileResult
 from scriptserve.server.registry import ModelRegistry, ModelVersion
 from scriptserve.server.security import fetch_archive, is_url
 from scriptserve.server.settings import ServerSettings
@@ -98,6 +100,7 @@ class Management:
         self.on_change: Callable[[], None] | None = None
         """Called after every change (the snapshot writer)."""
         self._background: set[asyncio.Task[Any]] = set()
+        self.profiler = Profiler()
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -182,6 +185,12 @@ class Management:
         self.registry.set_default(name, version)
         self._changed()
         return f'Default version successfully updated for model "{name}" to "{version}"'
+
+    async def profile(
+        self, name: str, version: str | None, options: ProfileOptions
+    ) -> ProfileResult:
+        """A profiler trace of the version's next batches (`version` None: the default)."""
+        return await self.profiler.capture(self.registry.get(name, version), options)
 
     def describe(self, name: str, version: str | None = None) -> list[dict[str, Any]]:
         """TorchServe's describe shape; `version` None = default, "all" = every version."""

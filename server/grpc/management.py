@@ -12,6 +12,7 @@ from scriptserve.server.grpc._generated import management_pb2 as mgmt
 from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
 from scriptserve.server.grpc.inference import translated
 from scriptserve.server.management import Management, Registration, Scaling
+from scriptserve.server.profiling import ProfileOptions
 
 
 def _msg(value: Any) -> mgmt.ManagementResponse:
@@ -54,3 +55,15 @@ class ManagementServicer(mgmt_grpc.ManagementAPIsServiceServicer):
     async def UnregisterModel(self, request: Any, context: Any) -> mgmt.ManagementResponse:
         version = converters.version_of(request.model_version)
         return _msg({"status": await self.management.unregister(request.model_name, version)})
+
+    @translated
+    async def ProfileModel(self, request: Any, context: Any) -> mgmt.ProfileModelResponse:
+        options = ProfileOptions.parse(converters.given_fields(request))
+        version = converters.version_of(request.model_version)
+        result = await self.management.profile(request.model_name, version, options)
+        return mgmt.ProfileModelResponse(
+            trace=result.trace,
+            file_name=result.file_name,
+            batches=result.batches,
+            seconds=result.seconds,
+        )

@@ -1,21 +1,38 @@
 """The management API: TorchServe's routes and parameters (register, scale, describe, list,
-unregister, set-default). Each route hands its parameters to `server/management.py`."""
+unregister, set-default), and profiling on demand. Each route hands its parameters to
+`server/management.py`."""
 
 from __future__ import annotations
 
+import gzip
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from scriptserve import __version__
 from scriptserve.server.management import Management, Registration, Scaling
+from scriptserve.server.profiling import ProfileOptions, ProfileResult
 from scriptserve.server.rest.errors import install_error_handlers
 from scriptserve.server.settings import ServerSettings
 
 
 def _status(done: bool, message: str) -> Response:
     return JSONResponse({"status": message}, 200 if done else 202)
+
+
+def _trace(result: ProfileResult, request: Request) -> Response:
+    """The trace file, compressed when the client takes gzip (`curl --compressed`)."""
+    headers = {
+        "Content-Disposition": f'attachment; filename="{result.file_name}"',
+        "X-Profile-Batches": str(result.batches),
+        "X-Profile-Seconds": f"{result.seconds:.3f}",
+        "Vary": "Accept-Encoding",
+    }
+    if "gzip" in request.headers.get("accept-encoding", ""):
+        headers["Content-Encoding"] = "gzip"
+        return Response(result.trace, media_type="application/json", headers=headers)
+    return Response(gzip.decompress(result.trace), media_type="application/json", headers=headers)
 
 
 def create_management_app(management: Management, settings: ServerSettings) -> FastAPI:
@@ -59,6 +76,21 @@ def create_management_app(management: Management, settings: ServerSettings) -> F
         model_name: str, version: str, scaling: Annotated[Scaling, Query()]
     ) -> Response:
         return _status(*await management.scale(model_name, version, scaling))
+
+    @app.post("/models/{model_name}/profile")
+    async def profile_default(
+        model_name: str, options: Annotated[ProfileOptions, Query()], request: Request
+    ) -> Response:
+        return _trace(await management.profile(model_name, None, options), request)
+
+    @app.post("/models/{model_name}/{version}/profile")
+    async def profile(
+        model_name: str,
+        version: str,
+        options: Annotated[ProfileOptions, Query()],
+        request: Request,
+    ) -> Response:
+        return _trace(await management.profile(model_name, version, options), request)
 
     @app.put("/models/{model_name}/{version}/set-default")
     async def set_default(model_name: str, version: str) -> dict[str, str]:

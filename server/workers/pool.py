@@ -34,6 +34,7 @@ from scriptserve.server.errors import (
 )
 from scriptserve.server.metrics import VersionMetrics
 from scriptserve.server.streaming import JobParts
+from scriptserve.server.workers.capture import Capture
 from scriptserve.server.workers.warmup import WarmupResult
 
 log = logging.getLogger("scriptserve.workers")
@@ -87,6 +88,8 @@ class Slot:
     """Its thread was given up (stuck in the handler): not waited for when the pool stops."""
     warmup: WarmupResult | None = None
     """What its worker's warm-up did before the slot joined; None when warm-up is off."""
+    profiling: bool = False
+    """Its worker runs a profiler of its own for a capture (process workers)."""
 
 
 S = TypeVar("S", bound=Slot)
@@ -145,6 +148,11 @@ class Runner(Protocol[S]):
 
     def describe(self, slot: S) -> dict[str, object]:
         """Fields describe adds for this kind of worker."""
+
+    def profile(self, pool: WorkerPool[S], slot: S, capture: Capture | None) -> None:
+        """Before each wait for a batch while a capture is on or the slot's worker still
+        profiles: start or end the worker's own profiler as `capture` says (None or done:
+        end it and hand its trace to the capture)."""
 
     def handlers_alive(self) -> int:
         """Handlers this runner built in this process that are still alive."""
@@ -235,6 +243,8 @@ class WorkerPool(Generic[S]):
         self.closed = threading.Event()
         self.failed_reason: str | None = None
         """Why the model cannot serve any more (its workers keep failing); None while it can."""
+        self.capture: Capture | None = None
+        """The profiling capture of its batches, while one runs (server/profiling.py)."""
         self._devices = devices or ["cpu"]
         self._slots: list[S] = []
         self._ids = itertools.count(1)
@@ -347,6 +357,13 @@ class WorkerPool(Generic[S]):
         self.batcher.wake_all()
         fail_jobs(self.batcher.take_all(), ModelNotReady(f"model {self.model!r} failed: {reason}"))
 
+    def look(self) -> None:
+        """Have every slot's thread go round its loop once (e.g. to end its worker's
+        profiler), whether or not a batch is waiting."""
+        for slot in self.slots():
+            slot.wake.set()
+        self.batcher.wake_all()
+
     def fail_queued(self, error: ServingError) -> None:
         fail_jobs(self.batcher.take_all(), error)
 
@@ -367,6 +384,9 @@ class WorkerPool(Generic[S]):
         while not slot.stop.is_set():
             if not self.runner.prepare(self, slot):
                 return
+            capture = self.capture
+            if capture is not None or slot.profiling:
+                self.runner.profile(self, slot, capture)
             batch = self.batcher.next_batch(slot.wake)
             if slot.wake.is_set() and not slot.stop.is_set():
                 slot.wake.clear()  # woken to look at its worker: `prepare` does, next round
@@ -395,8 +415,14 @@ class WorkerPool(Generic[S]):
         times = StageTimes()
         started = time.perf_counter()
         record = traced(jobs, slot.id)
+        capture = self.capture
         try:
-            responses = self.runner.run(self, slot, requests, times, self._parts(jobs))
+            if capture is not None and not capture.done.is_set():
+                with capture.range([r.request_id for r in requests]):
+                    responses = self.runner.run(self, slot, requests, times, self._parts(jobs))
+                capture.count()
+            else:
+                responses = self.runner.run(self, slot, requests, times, self._parts(jobs))
         except WorkerLost as lost:
             fail_jobs(jobs, lost.error)
             return

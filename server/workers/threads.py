@@ -36,6 +36,7 @@ from scriptserve.handlers.base import (
     run_batch,
 )
 from scriptserve.handlers.loader import worker_scope
+from scriptserve.server.workers.capture import Capture
 from scriptserve.server.workers.pool import RestartPolicy, Slot, WorkerPool, WorkerState
 from scriptserve.server.workers.warmup import warm_up
 
@@ -168,6 +169,11 @@ class ThreadRunner:
 
     def describe(self, slot: ThreadSlot) -> dict[str, object]:
         return {}
+
+    def profile(
+        self, pool: WorkerPool[ThreadSlot], slot: ThreadSlot, capture: Capture | None
+    ) -> None:
+        """Nothing to do: the server's own profiler records its threads."""
 
     # -- the watchdog ------------------------------------------------------------------------
     def watch(self, pool: WorkerPool[ThreadSlot]) -> None:

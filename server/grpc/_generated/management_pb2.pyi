@@ -87,3 +87,31 @@ class UnregisterModelRequest(_message.Message):
     model_name: str
     model_version: str
     def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class ProfileModelRequest(_message.Message):
+    __slots__ = ("model_name", "model_version", "batches", "seconds", "record_shapes", "with_stack")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    WITH_STACK_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    batches: int
+    seconds: float
+    record_shapes: bool
+    with_stack: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., batches: _Optional[int] = ..., seconds: _Optional[float] = ..., record_shapes: _Optional[bool] = ..., with_stack: _Optional[bool] = ...) -> None: ...
+
+class ProfileModelResponse(_message.Message):
+    __slots__ = ("trace", "file_name", "batches", "seconds")
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    trace: bytes
+    file_name: str
+    batches: int
+    seconds: float
+    def __init__(self, trace: _Optional[bytes] = ..., file_name: _Optional[str] = ..., batches: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -64,6 +64,11 @@ class ManagementAPIsServiceStub:
                 request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.SerializeToString,
                 response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
                 _registered_method=True)
+        self.ProfileModel = channel.unary_unary(
+                '/org.pytorch.serve.grpc.management.ManagementAPIsService/ProfileModel',
+                request_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ProfileModelRequest.SerializeToString,
+                response_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ProfileModelResponse.FromString,
+                _registered_method=True)
 
 
 class ManagementAPIsServiceServicer:
@@ -105,6 +110,12 @@ class ManagementAPIsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagementAPIsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_ManagementAPIsServiceServicer_to_server(servicer, server):
                     servicer.UnregisterModel,
                     request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.FromString,
                     response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.SerializeToString,
+            ),
+            'ProfileModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileModel,
+                    request_deserializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ProfileModelRequest.FromString,
+                    response_serializer=scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ProfileModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class ManagementAPIsService:
             '/org.pytorch.serve.grpc.management.ManagementAPIsService/UnregisterModel',
             scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.UnregisterModelRequest.SerializeToString,
             scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ManagementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/org.pytorch.serve.grpc.management.ManagementAPIsService/ProfileModel',
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ProfileModelRequest.SerializeToString,
+            scriptserve_dot_server_dot_grpc_dot___generated_dot_management__pb2.ProfileModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

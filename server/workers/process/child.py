@@ -14,6 +14,10 @@ It talks to its slot's thread in the server over one pipe, in small messages:
 - a streaming handler's parts go as `("parts", [part or None per request])` while the batch
   runs, each answered with `("listening", bool)`: False when no request still listens, and the
   handler is stopped with `StreamClosed`;
+- `("profile", settings)` starts PyTorch's profiler for a capture (workers/capture.py),
+  answered `("profiling", None or error)`; each batch is then a named range in it, until
+  `("profile-end", path)` stops it and writes its Chrome trace to `path` (None: drops it),
+  answered `("profiled", None or error)`;
 - `("stop",)` or the pipe closing ends it. It also ends when the server process goes away,
   even in the middle of a handler call, so no worker outlives its server.
 """
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from scriptserve.handlers.base import (
@@ -43,6 +48,13 @@ from scriptserve.handlers.base import (
 )
 from scriptserve.handlers.loader import load_handler, worker_scope
 from scriptserve.server.log_format import configure_logging
+from scriptserve.server.workers.capture import (
+    CaptureSettings,
+    batch_label,
+    batch_range,
+    start_profiler,
+    stop_profiler,
+)
 from scriptserve.server.workers.process import shared_memory as frames
 from scriptserve.server.workers.warmup import warm_up
 
@@ -131,13 +143,52 @@ class _PipeParts:
             raise StreamClosed()
 
 
+class _Profiling:
+    """This process's profiler while a capture runs (`profile` / `profile-end` messages)."""
+
+    def __init__(self) -> None:
+        self.profiler: Any = None
+
+    def start(self, settings: CaptureSettings) -> str | None:
+        if self.profiler is not None:
+            return None
+        try:
+            self.profiler = start_profiler(settings, all_threads=False)
+        except Exception as exc:
+            log.exception("the profiler did not start")
+            return f"the profiler did not start in the worker process: {exc}"
+        return None
+
+    def end(self, path: str | None) -> str | None:
+        """Stop the profiler and write its trace to `path` (None: drop it)."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is None:
+            return "the worker process was not profiling"
+        try:
+            if path is None:
+                profiler.stop()
+            else:
+                stop_profiler(profiler, Path(path))
+        except Exception as exc:
+            log.exception("the profiler's trace could not be written")
+            return f"the worker process could not write its trace: {exc}"
+        return None
+
+
 def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
     segments = _Segments()
+    profiling = _Profiling()
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             return
+        if message[0] == "profile":
+            conn.send(("profiling", profiling.start(message[1])))
+            continue
+        if message[0] == "profile-end":
+            conn.send(("profiled", profiling.end(message[1])))
+            continue
         if message[0] != "run":
             return
         _, requests_name, responses_name, responses_size, described = message
@@ -146,7 +197,13 @@ def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
         requests = [frames.read_request(buf, d) for d in described]
         del buf
         times = StageTimes(input_s=time.perf_counter() - started)
-        responses = run_batch(handler, requests, context, times, _PipeParts(conn, len(requests)))
+        parts = _PipeParts(conn, len(requests))
+        if profiling.profiler is not None:
+            ids = [r.request_id for r in requests]
+            with batch_range(batch_label(context.model_name, context.model_version, ids)):
+                responses = run_batch(handler, requests, context, times, parts)
+        else:
+            responses = run_batch(handler, requests, context, times, parts)
         extracting = time.perf_counter()
         frame = frames.Frame()
         metas = _describe_responses(frame, requests, responses, context)

@@ -41,6 +41,7 @@ from scriptserve.handlers.base import (
 )
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
 from scriptserve.server.log_format import current_format
+from scriptserve.server.workers.capture import PROFILER_TIMEOUT_S, Capture
 from scriptserve.server.workers.pool import (
     RestartPolicy,
     Slot,
@@ -224,9 +225,48 @@ class ProcessRunner:
     def describe(self, slot: ProcessSlot) -> dict[str, object]:
         return {"pid": slot.pid, "mode": "process"}
 
+    def profile(
+        self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot, capture: Capture | None
+    ) -> None:
+        """Start the worker process's profiler for a capture that is on, or end it and hand
+        its trace to the capture. A worker lost meanwhile has nothing to hand: its
+        replacement starts without a profiler, and `prepare` deals with the loss."""
+        child = slot.child
+        wanted = capture is not None and not capture.done.is_set()
+        if child is None or wanted == slot.profiling:
+            return
+        deadline = monotonic() + PROFILER_TIMEOUT_S
+        try:
+            if capture is not None and wanted:
+                child.send(("profile", capture.settings))
+                problem = child.receive(deadline)[1]
+                if problem is None:
+                    slot.profiling = True
+                    capture.joined(slot.id)
+                else:
+                    capture.handed(slot.id, None, f"worker {slot.id}: {problem}")
+                return
+            slot.profiling = False
+            if capture is None:  # the capture gave up waiting: end the profiler, drop its trace
+                child.send(("profile-end", None))
+                child.receive(deadline)
+                return
+            trace = capture.trace_of(slot.id)
+            child.send(("profile-end", str(trace)))
+            problem = child.receive(deadline)[1]
+            capture.handed(slot.id, None if problem else trace, problem)
+        except (WorkerGone, WorkerHung) as exc:
+            log.warning(
+                "model=%s version=%s worker %d lost while profiling: %s",
+                pool.model, pool.version, slot.id, exc,
+            )  # fmt: skip
+            if capture is not None:
+                capture.handed(slot.id, None, f"worker {slot.id} was lost while profiling")
+
     # -- one worker process ------------------------------------------------------------------
     def _start(self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot) -> None:
         slot.state = WorkerState.STARTING
+        slot.profiling = False  # a new process runs no profiler
         spec = ChildSpec(
             context=replace(self._context, device=slot.device),
             log_level=logging.getLogger().getEffectiveLevel(),

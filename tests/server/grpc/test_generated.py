@@ -218,7 +218,9 @@ def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:
     names = ("DescribeModel", "ListModels", "RegisterModel", "ScaleWorker", "SetDefault",
              "UnregisterModel")  # fmt: skip
     assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
-        name: (f"{name}Request", "ManagementResponse") for name in names
+        **{name: (f"{name}Request", "ManagementResponse") for name in names},
+        # scriptserve's own addition (profiling on demand), unknown to TorchServe's clients
+        "ProfileModel": ("ProfileModelRequest", "ProfileModelResponse"),
     }
 
 
