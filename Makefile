@@ -80,9 +80,13 @@ gen-proto: install
 
 # Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client);
 # benchmarks/grpc_client (C++, closed-loop gRPC) builds on Debian's gRPC into build/grpc_client/.
+# benchmarks/dashboard.py draws the Grafana dashboard from a real Prometheus (Debian's too); then
+# benchmarks/charts.py draws the results' charts, both into docs/images/.
 bench: install
 	command -v wrk >/dev/null && command -v h2load >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq wrk nghttp2-client)
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq prometheus)
 	command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null && \
 		pkg-config --exists grpc++ protobuf || \
 		(apt-get update -qq && apt-get install -y -qq libgrpc++-dev protobuf-compiler-grpc \
@@ -92,3 +96,5 @@ bench: install
 	$(PYTHON) -m benchmarks.http_load
 	$(PYTHON) -m benchmarks.grpc_load
 	$(PYTHON) -m benchmarks.pt2
+	$(PYTHON) -m benchmarks.dashboard
+	$(PYTHON) -m benchmarks.charts
