@@ -104,6 +104,8 @@ class InferenceRequest:
     outputs: list[str] | None = None
     """The output tensors a tensor protocol asked for, by name ([]: every output); None when the
     client takes the handler's answer as it is (TorchServe's predictions)."""
+    kserve_instance: bool = False
+    """`body` is one instance of a KServe v1 request, as JSON."""
 
 
 @dataclass
@@ -189,6 +191,9 @@ class Context:
     with the model's name and version."""
     metric_declarations: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
     """TorchServe's metrics.yaml model metrics: (kind, name, unit, dimension names) each."""
+    service_envelope: str = "body"
+    """How a TorchServe handler sees KServe's protocols (TorchServe's `service_envelope`:
+    `body`, `kserve` or `kservev2`; handlers/torchserve/adapter.py)."""
 
     @property
     def signature(self) -> Signature:

@@ -26,9 +26,11 @@ import uvicorn
 from scriptserve.server import snapshot
 from scriptserve.server.access_log import AccessLog
 from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.errors import Conflict, ServingError
 from scriptserve.server.grpc.server import GrpcServers
 from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.object_store import sync_store
 from scriptserve.server.registry import ModelRegistry, find_archives
 from scriptserve.server.repository import ModelRepository
 from scriptserve.server.rest.access import AccessLogged
@@ -39,6 +41,7 @@ from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_route
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
 from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
+from scriptserve.server.rest.shared_address import SharedAddress
 from scriptserve.server.rest.tracing import Traced
 from scriptserve.server.security import AccessKeys, resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
@@ -65,6 +68,17 @@ def check_model_store(settings: ServerSettings) -> None:
         )
     if not store.is_dir():
         raise ModelStoreError(f"model store {store} is not a directory (--model-store)")
+
+
+async def prepare_model_store(settings: ServerSettings) -> None:
+    """Copy a bucket model store's archives to its local directory, then check the store."""
+    url = settings.model_store_url
+    if url is not None:
+        try:
+            await sync_store(url, settings.model_store, settings)
+        except ServingError as exc:
+            raise ModelStoreError(f"model store {url}: {exc.message}") from None
+    check_model_store(settings)
 
 
 class _Server(uvicorn.Server):
@@ -135,8 +149,9 @@ def startup_sources(settings: ServerSettings) -> list[tuple[str | None, Path]]:
 
 
 def restore_snapshot(settings: ServerSettings) -> bool:
-    """Restore the last snapshot unless told not to, or told which models to load (--models)."""
-    return settings.restore_snapshot and settings.models == ["all"]
+    """Restore this replica's last snapshot unless told not to (--no-snapshot, or the declarative
+    snapshot mode), or told which models to load (--models)."""
+    return snapshot.enabled(settings) and settings.restore_snapshot and settings.models == ["all"]
 
 
 async def load_startup_models(
@@ -145,7 +160,6 @@ async def load_startup_models(
     """The last snapshot's models (see `restore_snapshot`), else the ones --models names."""
     restored = snapshot.read(settings) if restore_snapshot(settings) else None
     if restored is not None:
-        log.info("restoring %d model version(s) from the snapshot", len(restored))
         for entry in restored:
             if stop.is_set():
                 break
@@ -156,7 +170,15 @@ async def load_startup_models(
         for name, path in startup_sources(settings):
             if stop.is_set():
                 break
-            await registry.load(path, name, startup=True)
+            try:
+                await registry.load(path, name, startup=True)
+            except Conflict as exc:  # two archives of the store hold the same model version
+                log.error("archive %s is not loaded: %s", path.name, exc.message)
+        for name, version in settings.default_versions.items():
+            try:
+                registry.set_default(name, version)
+            except ServingError as exc:
+                log.error("default version %s of model %s: %s", version, name, exc.message)
 
 
 def _http_apps(
@@ -220,6 +242,10 @@ def _http_apps(
             (what, AccessLogged(app, access) if what != "metrics" else app, address)
             for what, app, address in apps
         ]
+    if settings.inference_address == settings.management_address:  # TorchServe allows it
+        (_, inference_app, address), (_, management_app, _), metrics_app = apps
+        shared = SharedAddress(inference_app, management_app)
+        apps = [("inference and management", shared, address), metrics_app]
     return apps
 
 
@@ -239,7 +265,7 @@ def start_tracing(settings: ServerSettings) -> Tracing:
 
 async def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
-    check_model_store(settings)  # before any port is bound
+    await prepare_model_store(settings)  # before any port is bound
     # Workers run the model without the GIL but need it back to hand results over; with
     # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
     # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
@@ -298,7 +324,7 @@ async def serve(settings: ServerSettings) -> int:
     )  # fmt: skip
 
     await load_startup_models(registry, settings, stop)
-    management.on_change = lambda: snapshot.write(registry, settings)
+    management.on_change = snapshot.recorder(registry, settings)
     dataplane.starting = False
     await grpc_servers.serving()
     log.info(

@@ -88,7 +88,8 @@ def _flag_options(name: str, field: FieldInfo) -> dict[str, Any] | None:
         options.update(type=_json_object, metavar="JSON")
     elif kind in _METAVARS:
         metavar = "HOST:PORT" if name.endswith("_address") else _METAVARS[kind]
-        options.update(type=kind, metavar=metavar)
+        # Paths stay text until the settings read them: Path() would make `s3://b/k` `s3:/b/k`.
+        options.update(type=str if kind is Path else kind, metavar=metavar)
     else:
         raise TypeError(f"setting {name}: no command-line form for {kind!r}")
     return options
@@ -148,7 +149,7 @@ def serve(args: argparse.Namespace) -> int:
     if settings.ts_config is not None:
         from scriptserve.server.torchserve_config import report_torchserve_config
 
-        report_torchserve_config(settings.ts_config)
+        report_torchserve_config(settings.ts_config, os.environ)
     try:
         return run(settings)
     except (SecurityConfigError, ModelStoreError) as exc:

@@ -118,6 +118,7 @@ class ModelLoader:
                 model_file=model_file,
                 workers=settings.workers,
                 metric_declarations=self.metric_declarations,
+                service_envelope=self.settings.service_envelope,
             )
             batcher = DynamicBatcher(
                 settings.batch_size, settings.max_batch_delay_ms / 1000.0, settings.queue_size

@@ -32,7 +32,8 @@ from scriptserve.server.errors import (
     ServingError,
     Unauthenticated,
 )
-from scriptserve.server.settings import ServerSettings, parse_address
+from scriptserve.server.object_store import copy_object, is_object_url
+from scriptserve.server.settings import OBJECT_STORE_SCHEMES, ServerSettings, parse_address
 
 log = logging.getLogger("scriptserve.security")
 
@@ -190,14 +191,15 @@ def resolve_keys(settings: ServerSettings) -> AccessKeys:
 
 # -- registration from a URL ----------------------------------------------------------------------
 def is_url(source: str) -> bool:
-    """A registration source with a scheme (`http://…`, `file://…`), not a store file name."""
+    """A registration source with a scheme (`http://…`, `s3://…`, `file://…`), not a store file
+    name."""
     return "://" in source or source.lower().startswith(("file:", "http:", "https:"))
 
 
 def check_url(url: str, allowed: list[str]) -> str:
     """Validate a registration URL before any connection; returns it, or raises.
 
-    Only http(s), no user info, no `..` (however encoded), no backslashes or control
+    Only http(s), s3 and gs, no user info, no `..` (however encoded), no backslashes or control
     characters, and the whole URL must match one of the `allowed` regular expressions.
     """
     if not allowed:
@@ -212,10 +214,12 @@ def check_url(url: str, allowed: list[str]) -> str:
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError:
         raise InvalidInput("the url is malformed") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise InvalidInput("only http:// and https:// URLs may be registered")
+    if parts.scheme.lower() not in ("http", "https", *OBJECT_STORE_SCHEMES):
+        raise InvalidInput("only http://, https://, s3:// and gs:// URLs may be registered")
     if "@" in parts.netloc or not parts.hostname:
-        raise InvalidInput("the url must name a host and carry no user info ('user@host')")
+        raise InvalidInput(
+            "the url must name a host (a bucket) and carry no user info ('user@host')"
+        )
     path = parts.path
     for _ in range(3):  # %252e%252e decodes twice
         path = unquote(path)
@@ -240,7 +244,8 @@ async def fetch_archive(url: str, settings: ServerSettings) -> Path:
     """Download an allowed archive URL into the model store; returns the file.
 
     Redirects are followed by hand, each target checked against the allow-list before any
-    connection to it; the size and the whole download's time are bounded.
+    connection to it; the size and the whole download's time are bounded. `s3://` and `gs://`
+    URLs are copied through server/object_store.py under the same bounds.
     """
     import httpx
 
@@ -249,6 +254,11 @@ async def fetch_archive(url: str, settings: ServerSettings) -> Path:
     target = settings.model_store / name
     if target.exists():
         raise Conflict(f"archive {name!r} is already in the model store; register it by name")
+    if is_object_url(url):
+        settings.model_store.mkdir(parents=True, exist_ok=True)
+        size = await copy_object(url, target, settings)
+        log.info("downloaded archive %s (%d bytes)", name, size)
+        return target
     part = settings.model_store / f".download-{secrets.token_hex(8)}.part"
     limit = settings.download_max_bytes
 

@@ -7,12 +7,16 @@ Read once in `main()` and passed down; nothing reads the environment at import t
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -30,6 +34,10 @@ __all__ = [
     "load_settings",
     "parse_address",
 ]
+
+
+OBJECT_STORE_SCHEMES = ("s3", "gs")
+"""URL schemes of object storage (server/object_store.py)."""
 
 
 class SettingsError(ValueError):
@@ -109,7 +117,7 @@ class _TorchServeConfigSource(PydanticBaseSettingsSource):
         )
 
         try:
-            return read_torchserve_config(Path(self._path)).settings
+            return read_torchserve_config(Path(self._path), os.environ).settings
         except TorchServeConfigError as exc:
             raise SettingsError(str(exc)) from None
 
@@ -127,7 +135,17 @@ class ServerSettings(BaseSettings):
     """YAML file with any of these settings (lowest precedence after the defaults)."""
 
     model_store: Path = Path("model_store")
-    """Directory the server loads archives from; registration by file name looks here."""
+    """Directory the server loads archives from; registration by file name looks here. A bucket
+    prefix (`s3://bucket/models`, `gs://...`) is downloaded at start into `model_store_cache`,
+    which is then this directory."""
+    model_store_url: str | None = None
+    """The bucket prefix `model_store` was given as; None for a local store."""
+    model_store_cache: Path | None = None
+    """Where the archives of a bucket model store are downloaded; default a directory of the
+    system's temporary directory named after the URL."""
+    s3_endpoint_url: str | None = None
+    """An S3-compatible store's endpoint (MinIO, Ceph, ...); unset: AWS_ENDPOINT_URL, else
+    AWS's own."""
     quantize_cache_dir: Path | None = None
     """Where models converted to int8 at load are kept, by source hash (default
     `<model_store>/.cache/int8`), so a restart does not convert them again."""
@@ -289,10 +307,18 @@ class ServerSettings(BaseSettings):
     """Largest archive a registration may download."""
     download_timeout_s: float = Field(default=60.0, gt=0)
     """Time a registration's download may take, from connect to the last byte."""
+    snapshot_mode: Literal["per-replica", "declarative"] = "per-replica"
+    """`per-replica`: every management change is recorded in this replica's snapshot file,
+    restored at its next start. `declarative`: nothing is recorded or restored; the models come
+    only from `models` (the config file or --models)."""
     snapshot_dir: Path | None = None
-    """Where the registered models are recorded on every change; default <model_store>/.snapshot."""
+    """Where the snapshot files are kept, one per replica (`models-<snapshot_id>.json`); default
+    <model_store>/.snapshot."""
+    snapshot_id: str | None = None
+    """This replica's name in its snapshot file; default the host name (on Kubernetes the pod
+    name, which a StatefulSet pod keeps across restarts and a Deployment pod does not)."""
     restore_snapshot: Annotated[bool, FlagAliases("--snapshot")] = True
-    """Load the last snapshot's models at start (when --models is left at `all`)."""
+    """Load this replica's last snapshot at start (when --models is left at `all`)."""
     ts_config: Path | None = None
     """A TorchServe config.properties to read settings from (below the YAML file; see
     server/torchserve_config.py for the keys it maps)."""
@@ -300,6 +326,14 @@ class ServerSettings(BaseSettings):
     """Per model name and version ("*" = any), TorchServe model-config keys (batchSize,
     maxBatchDelay, minWorkers, maxWorkers, responseTimeout, ...) that the archive's own config
     file overrides: TorchServe's config.properties `models`."""
+    default_versions: dict[str, str] = Field(default_factory=dict)
+    """Model name -> the version that answers when none is named, for models loaded at start
+    in several versions (TorchServe's snapshot `defaultVersion`)."""
+    service_envelope: Literal["body", "kserve", "kservev2"] = "body"
+    """How TorchServe handlers see KServe's protocols (TorchServe's `service_envelope`):
+    `kserve`, each v1 instance is one row of the handler's data, as it is (`{"data": ...}`);
+    `kservev2`, each v2 request's first input is one row (`{"name", "shape", "datatype",
+    "data"}`); `body`, the rows are `{"body": ...}` as for /predictions."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level of the log lines the server writes."""
     metrics_config: Path | None = None
@@ -340,6 +374,30 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _check_address(cls, value: str) -> str:
         parse_address(value)
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bucket_model_store(cls, data: Any) -> Any:
+        """A bucket prefix given as `model_store` becomes `model_store_url`, served from a
+        local copy."""
+        store = data.get("model_store") if isinstance(data, dict) else None
+        if isinstance(store, str) and urlsplit(store).scheme.lower() in OBJECT_STORE_SCHEMES:
+            digest = hashlib.sha256(store.encode()).hexdigest()[:16]
+            default = Path(tempfile.gettempdir()) / "scriptserve-model-store" / digest
+            local = data.get("model_store_cache") or default
+            data = {**data, "model_store_url": store.rstrip("/"), "model_store": local}
+        return data
+
+    @field_validator("snapshot_id")
+    @classmethod
+    def _check_snapshot_id(cls, value: str | None) -> str | None:
+        # It names a file in a shared directory: no separators, no hidden or relative names.
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", value):
+            raise ValueError(
+                f"{value!r} must start with a letter or digit and hold only letters,"
+                " digits, '.', '_' and '-' (at most 200), e.g. the pod name"
+            )
         return value
 
     @field_validator("log_level", mode="before")

@@ -1,10 +1,14 @@
 """The registered models and their settings, saved on every management change and restored at
-the next start (TorchServe's config snapshots, as one JSON file written atomically).
+the next start (TorchServe's config snapshots), one JSON file per replica, written atomically.
 
     {"models": [{"name": "tiny", "version": "1.0", "source": "tiny.mar", "default": true,
                  "settings": {"batch_size": 32, "workers": 2, ...}}]}
 
-`source` is relative to the model store when the archive lies in it.
+`source` is relative to the model store when the archive lies in it. Replicas sharing a volume
+each keep `<snapshot_dir>/models-<snapshot_id>.json` (the id defaults to the host name) and
+restore only their own. The single `models.json` of earlier versions is taken over, once, by
+the first replica that starts without a file of its own (see `read`). In `declarative` mode
+there are no snapshots: the configured models are the only source.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,8 @@ from scriptserve.server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.snapshot")
 
-FILE_NAME = "models.json"
+LEGACY_FILE_NAME = "models.json"
+"""The one snapshot file every replica shared before snapshots were per replica."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +42,26 @@ class SnapshotEntry:
     settings: dict[str, Any]
 
 
+def enabled(settings: ServerSettings) -> bool:
+    """Whether this replica records and restores snapshots (not in declarative mode)."""
+    return settings.snapshot_mode == "per-replica"
+
+
+def replica_id(settings: ServerSettings) -> str:
+    """`snapshot_id`, else the host name made safe for a file name."""
+    if settings.snapshot_id:
+        return settings.snapshot_id
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-")
+    return host[:200] or "localhost"
+
+
+def snapshot_dir(settings: ServerSettings) -> Path:
+    return settings.snapshot_dir or settings.model_store / ".snapshot"
+
+
 def snapshot_path(settings: ServerSettings) -> Path:
-    directory = settings.snapshot_dir or settings.model_store / ".snapshot"
-    return directory / FILE_NAME
+    """This replica's snapshot file."""
+    return snapshot_dir(settings) / f"models-{replica_id(settings)}.json"
 
 
 def capture(registry: ModelRegistry, store: Path) -> dict[str, Any]:
@@ -65,10 +90,20 @@ def capture(registry: ModelRegistry, store: Path) -> dict[str, Any]:
     return {"models": models}
 
 
+def recorder(registry: ModelRegistry, settings: ServerSettings) -> Callable[[], None] | None:
+    """What to call after every management change: a writer of this replica's snapshot, or
+    None in declarative mode."""
+    if not enabled(settings):
+        return None
+    return lambda: write(registry, settings)
+
+
 def write(registry: ModelRegistry, settings: ServerSettings) -> None:
-    """Write the snapshot atomically; a store that cannot be written only logs a warning."""
+    """Write this replica's snapshot atomically: a reader sees the old file or the new one,
+    never part of one. A store that cannot be written only logs a warning."""
     path = snapshot_path(settings)
     data = json.dumps(capture(registry, settings.model_store), indent=1)
+    # Hidden and not ending in .json: never taken for a snapshot by a reader listing the folder.
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,13 +115,38 @@ def write(registry: ModelRegistry, settings: ServerSettings) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         log.warning("cannot write the model snapshot to %s: %s", path, exc.strerror)
+        return
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the rename itself survive a crash of the machine (best effort: some filesystems
+    cannot sync a directory, and the file's own data is synced already)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def read(settings: ServerSettings) -> list[SnapshotEntry] | None:
-    """The snapshot's entries, or None when there is none (or it cannot be used)."""
+    """This replica's snapshot entries, or None when it has none (or it cannot be used).
+
+    A replica without a file of its own takes over the legacy `models.json` when there is one,
+    by renaming it to its own file name: a single-replica deployment upgrading keeps its models,
+    and of several replicas starting at once exactly one gets them (the rename is atomic).
+    """
     path = snapshot_path(settings)
     if not path.is_file():
-        return None
+        legacy = _adopt_legacy(settings, path)
+        if legacy is None:
+            return None
+        path = legacy
     try:
         doc = json.loads(path.read_text())
         entries = []
@@ -106,4 +166,33 @@ def read(settings: ServerSettings) -> list[SnapshotEntry] | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.error("ignoring the model snapshot %s: %s", path, exc)
         return None
+    log.info("restoring %d model version(s) from the snapshot %s", len(entries), path)
     return entries
+
+
+def _adopt_legacy(settings: ServerSettings, path: Path) -> Path | None:
+    """Rename the legacy snapshot to this replica's `path` and return it; None when there is no
+    legacy snapshot (or another replica took it first)."""
+    legacy = path.with_name(LEGACY_FILE_NAME)
+    try:
+        os.replace(legacy, path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        # A read-only folder: restore from it anyway, rather than lose the registrations.
+        log.warning(
+            "cannot rename the legacy model snapshot %s to %s (%s); restoring from it as it is",
+            legacy,
+            path.name,
+            exc.strerror,
+        )
+        return legacy
+    _sync_directory(path.parent)
+    log.warning(
+        "took over the legacy model snapshot %s as this replica's snapshot %s (snapshot_id %s);"
+        " other replicas start without it",
+        legacy,
+        path.name,
+        replica_id(settings),
+    )
+    return path

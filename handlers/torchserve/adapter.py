@@ -86,8 +86,28 @@ def _decode_body(body: bytes, content_type: str | None) -> Any:
     return bytearray(body)
 
 
-def request_row(request: InferenceRequest) -> dict[str, Any]:
-    """One entry of TorchServe's `data` list."""
+# numpy dtypes -> the Open Inference Protocol's datatypes (TorchServe's kservev2 envelope's names)
+_DATATYPES = {
+    "bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
+    "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
+    "float16": "FP16", "float32": "FP32", "float64": "FP64",
+}  # fmt: skip
+
+
+def request_row(request: InferenceRequest, envelope: str = "body") -> Any:
+    """One entry of TorchServe's `data` list. With TorchServe's KServe envelopes a KServe v1
+    instance is the entry as it is (`kserve`), and a v2 request's first input is
+    `{"name", "shape", "datatype", "data"}` (`kservev2`)."""
+    if envelope == "kserve" and request.kserve_instance and request.body is not None:
+        return json.loads(request.body)
+    if envelope == "kservev2" and request.inputs:
+        name, array = next(iter(request.inputs.items()))
+        return {
+            "name": name,
+            "shape": list(array.shape),
+            "datatype": _DATATYPES.get(str(array.dtype), "BYTES"),
+            "data": array.reshape(-1).tolist(),
+        }
     if request.inputs:
         tensors = {name: array.tolist() for name, array in request.inputs.items()}
         return {"body": next(iter(tensors.values())) if len(tensors) == 1 else tensors}
@@ -203,7 +223,7 @@ class TorchServeHandler(BaseHandler):
         ts_context.metrics.request_ids = ts_context.request_ids
         ts_context.request_processor = [RequestProcessor(r.headers) for r in requests]
         ts_context.tensor_requests = [bool(r.inputs) for r in requests]
-        data = [request_row(r) for r in requests]
+        data = [request_row(r, context.service_envelope) for r in requests]
         ids = ",".join(r.request_id for r in requests)
         # The worker running this handler holds `legacy_names()` open for its whole life.
         try:

@@ -84,7 +84,9 @@ def instance_requests(
         headers = {**headers, EXPLAIN_HEADER: "True"}
     json = "application/json"
     return [
-        InferenceRequest(body=orjson.dumps(instance), content_type=json, headers=headers)
+        InferenceRequest(
+            body=orjson.dumps(instance), content_type=json, headers=headers, kserve_instance=True
+        )
         for instance in decode_instances(body)
     ]
 

@@ -13,6 +13,9 @@ import psutil
 from hardening import archive
 from serving import ServerProcess
 
+from scriptserve.server import snapshot
+from scriptserve.server.settings import load_settings
+
 REFUSED = "refused"
 
 
@@ -98,8 +101,10 @@ def test_failing_reload_keeps_v1_and_snapshot_restores(tmp_path: Path) -> None:
         assert r.status_code == 200, r.text
     finally:
         server.stop()
-    snapshot = store / ".snapshot" / "models.json"
-    assert snapshot.is_file()
+    # One snapshot per replica, named after it (the host name here).
+    assert [p.name for p in (store / ".snapshot").glob("*.json")] == [
+        f"models-{snapshot.replica_id(load_settings())}.json"
+    ]
     restarted = ServerProcess(store).start()
     try:
         r = httpx.get(f"{restarted.mgmt}/models/copy", headers=restarted.mgmt_headers)

@@ -126,6 +126,7 @@ def describe_request(frame: Frame, request: InferenceRequest) -> dict[str, Any]:
         "fields": {name: frame.add(data) for name, data in request.fields.items()},
         "parameters": request.parameters,
         "headers": dict(request.headers),
+        "kserve_instance": request.kserve_instance,
     }
 
 
@@ -139,6 +140,7 @@ def read_request(buf: memoryview, described: dict[str, Any]) -> InferenceRequest
         parameters=described["parameters"],
         headers=described["headers"],
         request_id=described["id"],
+        kserve_instance=described["kserve_instance"],
     )
 
 
