@@ -1,14 +1,20 @@
 """The compose file, the Kubernetes and KServe manifests and the Dockerfiles agree with the
-server: its default ports, its real probe and metrics routes, its settings' names."""
+server: its default ports, its real probe and metrics routes, its settings' names. Every
+Kubernetes manifest is one the API server accepts: built-in kinds against the API's schemas
+(kubernetes-validate), custom resources against their CRDs' (tests/docker/crds/). The
+autoscalers' own checks are in test_autoscaling.py."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 from serving import ServerProcess
@@ -40,6 +46,9 @@ ALL_K8S = [doc for docs in K8S.values() for doc in docs]
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
 IMAGE_CONFIG = yaml.safe_load((DOCKER / "config.yaml").read_text())
 MAKE_IMAGE = re.search(r"^IMAGE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+# The oldest and the newest Kubernetes release the manifests are checked against.
+KUBERNETES_VERSIONS = ("1.30", "1.37")
+CRDS = Path(__file__).resolve().parent / "crds"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +64,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_every_file_parses_and_names_known_kinds() -> None:
     kinds = sorted(d["kind"] for d in ALL_K8S)
     assert kinds == sorted(["PersistentVolumeClaim", "Deployment", "Service",
-                            "HorizontalPodAutoscaler", "ClusterServingRuntime",
-                            *["InferenceService"] * 3])  # fmt: skip
+                            *["HorizontalPodAutoscaler"] * 2, "ScaledObject", "ConfigMap",
+                            "ClusterServingRuntime", *["InferenceService"] * 3])  # fmt: skip
     assert load_all(DOCKER / "prometheus.yml")
     assert set(COMPOSE["services"]) == {"scriptserve", "prometheus", "grafana"}
 
@@ -188,8 +197,148 @@ def test_image_user_store_and_tag_agree() -> None:
     images = {container["image"], kserve["image"], COMPOSE["services"]["scriptserve"]["image"]}
     assert images == {MAKE_IMAGE.group(1)}
 
-    hpa = one(K8S["hpa.yaml"], "HorizontalPodAutoscaler")["spec"]
-    target = hpa["scaleTargetRef"]
-    deployment = one(K8S["deployment.yaml"], "Deployment")
-    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
-    assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+
+# --- schemas: what the API server would accept ------------------------------------------------
+
+
+def rejecting_unknown_fields(schema: Any) -> Any:
+    """A CRD's schema as `kubectl apply` enforces it: its field validation is strict by default
+    (since Kubernetes 1.27), so a field the schema does not declare is an error, except where
+    the schema keeps unknown fields. JSON Schema allows undeclared properties unless told."""
+    if isinstance(schema, list):
+        return [rejecting_unknown_fields(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        key: {name: rejecting_unknown_fields(sub) for name, sub in value.items()}
+        if key in ("properties", "$defs")
+        else rejecting_unknown_fields(value)
+        for key, value in schema.items()
+    }
+    keeps_unknown = schema.get("x-kubernetes-preserve-unknown-fields") is True
+    if "properties" in schema and "additionalProperties" not in schema and not keeps_unknown:
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
+    """(apiVersion, kind) -> a validator of the vendored CRD's schema of that version. The
+    CRDs' CEL rules (x-kubernetes-validations) are not checked."""
+    found: dict[tuple[str, str], jsonschema.protocols.Validator] = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        for version, schema in crd["versions"].items():
+            strict = rejecting_unknown_fields(schema)
+            jsonschema.Draft202012Validator.check_schema(strict)
+            found[(f"{crd['group']}/{version}", crd["kind"])] = jsonschema.Draft202012Validator(
+                strict
+            )
+    return found
+
+
+CRD_VALIDATORS = crd_validators()
+
+
+def schema_errors(doc: dict[str, Any]) -> list[str]:
+    """Why the API server would refuse `doc`: a custom resource against its CRD, a built-in kind
+    against each of KUBERNETES_VERSIONS (SchemaNotFoundError for a kind with neither)."""
+    validator = CRD_VALIDATORS.get((doc["apiVersion"], doc["kind"]))
+    if validator is not None:
+        return [
+            f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validator.iter_errors(doc)
+        ]
+    errors = []
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"Kubernetes {version}: {'.'.join(map(str, e.path))}: {e.message}")
+    return errors
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [pytest.param(d, id=f"{name}:{d['kind']}/{d['metadata']['name']}")
+     for name, docs in K8S.items() for d in docs],
+)  # fmt: skip
+def test_every_manifest_matches_its_schema(doc: dict[str, Any]) -> None:
+    assert schema_errors(doc) == []
+
+
+def has_api_schema(doc: dict[str, Any]) -> bool:
+    """Whether kubernetes-validate knows `doc`'s kind (built-in kinds do, custom ones not)."""
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1])
+    except kubernetes_validate.SchemaNotFoundError:
+        return False
+    return True
+
+
+def test_the_vendored_crds_are_those_of_the_custom_kinds() -> None:
+    custom = {(d["apiVersion"], d["kind"]) for d in ALL_K8S if not has_api_schema(d)}
+    assert custom == {("serving.kserve.io/v1alpha1", "ClusterServingRuntime"),
+                      ("serving.kserve.io/v1beta1", "InferenceService"),
+                      ("keda.sh/v1alpha1", "ScaledObject")}  # fmt: skip
+    assert set(CRD_VALIDATORS) == custom
+    for path in CRDS.glob("*.yaml"):
+        header = path.read_text().split("\ngroup:", 1)[0]
+        source = r"^# Source: https://github\.com/[\w.-]+/[\w.-]+, \S+\.yaml,$"
+        assert re.search(source, header, re.M), path.name
+        assert re.search(r"^# commit [0-9a-f]{40} ", header, re.M), path.name
+        assert "Apache License, Version 2.0" in header, path.name
+
+
+@dataclass(frozen=True)
+class Rename:
+    """A field's new name, for `edited`."""
+
+    to: str
+
+
+def edited(path: str, doc: dict[str, Any], value: Any) -> dict[str, Any]:
+    """A copy of `doc` with the dotted `path` (list indexes as numbers) set to `value`, or
+    renamed when `value` is a `Rename`."""
+    doc = yaml.safe_load(yaml.safe_dump(doc))
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    node = doc
+    for key in parents:
+        node = node[key]
+    if isinstance(value, Rename):
+        node[value.to] = node.pop(last)
+    else:
+        node[last] = value
+    return doc
+
+
+# Each validation path refuses a wrong type and a misspelt field: a checker that accepts
+# anything would pass the test above.
+@pytest.mark.parametrize(
+    ("file", "kind", "path", "value", "error"),
+    [
+        ("deployment.yaml", "Deployment", "spec.replicas", "2", "is not of type 'integer'"),
+        ("deployment.yaml", "Deployment", "spec.template.spec.containers.0.readinessProbe",
+         Rename("readynessProbe"), "'readynessProbe' was unexpected"),
+        ("hpa-queue-depth.yaml", "HorizontalPodAutoscaler", "spec.metrics.0.type", 7,
+         "is not of type 'string'"),
+        ("keda-scaledobject.yaml", "ScaledObject", "spec.minReplicaCount", "2",
+         "is not of type 'integer'"),
+        ("keda-scaledobject.yaml", "ScaledObject", "spec.triggers.0.metadata.threshold", 64,
+         "is not of type 'string'"),
+        ("keda-scaledobject.yaml", "ScaledObject", "spec.scaleTargetRef.name",
+         Rename("deployment"), "'name' is a required property"),
+        ("keda-scaledobject.yaml", "ScaledObject", "spec.pollingInterval",
+         Rename("pollInterval"), "'pollInterval' was unexpected"),
+        ("kserve.yaml", "ClusterServingRuntime", "spec.containers.0.ports.0.containerPort", "80",
+         "is not of type 'integer'"),
+        ("kserve.yaml", "InferenceService", "spec.predictor.model.storageUri",
+         Rename("storageURI"), "'storageURI' was unexpected"),
+    ],
+)  # fmt: skip
+def test_the_schemas_refuse_a_broken_manifest(
+    file: str, kind: str, path: str, value: Any, error: str
+) -> None:
+    doc = next(d for d in K8S[file] if d["kind"] == kind)
+    assert schema_errors(doc) == []
+    errors = schema_errors(edited(path, doc, value))
+    assert any(error in e for e in errors), errors
