@@ -150,6 +150,8 @@ def _snapshot(key: str, value: str) -> dict[str, Any]:
 
 
 def _envelope(key: str, value: str) -> str:
+    if not value:  # KServe fills `{{.Labels.serviceEnvelope}}` with nothing when there is none
+        return "body"
     if value not in SERVICE_ENVELOPES:
         raise TorchServeConfigError(
             f"{key}={value}: scriptserve reads the envelopes {', '.join(SERVICE_ENVELOPES)}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 from PIL import Image
 from serving import ServerProcess, free_port
 from torch import nn
@@ -84,6 +85,7 @@ class V2Handler(BaseHandler):
     def postprocess(self, data):
         return [[value, len(self.seen)] for value in data.tolist()]
 """
+K8S_RUNTIME = Path(__file__).resolve().parents[2] / "docker" / "k8s" / "kserve-torchserve.yaml"
 LABELS = ["zero", "one", "two", "three", "four", "five"]
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -255,3 +257,58 @@ def test_ts_variables_count_only_when_the_file_enables_them() -> None:
 def test_unusable_values_name_their_key(line: str, says: str) -> None:
     with pytest.raises(TorchServeConfigError, match=re.escape(says)):
         map_properties(parse_properties(line + "\n"))
+
+
+def test_the_kserve_runtime_manifest_serves_the_layout(
+    v1_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """docker/k8s/kserve-torchserve.yaml's container, as KServe would start it on KServe's
+    v1 sample: its args (the paths under /mnt/models moved to the test's copy, the addresses
+    to loopback ports) and env (the InferenceService's serviceEnvelope label, the keys)."""
+    docs = list(yaml.safe_load_all(K8S_RUNTIME.read_text()))
+    (runtime,) = [d for d in docs if d["kind"] == "ClusterServingRuntime"]
+    (service,) = [d for d in docs if d["kind"] == "InferenceService"]
+    assert service["spec"]["predictor"]["model"]["runtime"] == runtime["metadata"]["name"]
+    (container,) = runtime["spec"]["containers"]
+    root = v1_server.store.parent  # the v1 fixture's /mnt/models
+    proc = ServerProcess(root / "model-store")
+    moved = {
+        "0.0.0.0:8080": proc.url.removeprefix("http://"),
+        "127.0.0.1:8081": proc.mgmt.removeprefix("http://"),
+        "0.0.0.0:8082": proc.metrics_url.removeprefix("http://"),
+        "0.0.0.0:7070": proc.grpc, "127.0.0.1:7071": proc.grpc_mgmt, "/mnt/models": str(root),
+    }  # fmt: skip
+    args = []
+    for given in container["args"]:
+        arg = given
+        for old, new in moved.items():
+            arg = arg.replace(old, new)
+        args.append(arg)
+    inference_key = "inference-key-for-the-test"
+    env = {}
+    for variable in container["env"]:
+        if "value" in variable:
+            labels = service["metadata"]["labels"]
+            env[variable["name"]] = variable["value"].replace(
+                "{{.Labels.serviceEnvelope}}", labels["serviceEnvelope"]
+            )
+    env["SCRIPTSERVE_INFERENCE_KEY"] = inference_key
+    proc.args, proc.env = args, {**proc.env, **env}
+    proc.start()
+    try:
+        body = {"instances": [{"data": base64.b64encode(png((200, 30, 90))).decode()}]}
+        reply = httpx.post(
+            f"{proc.url}/v1/models/mnist:predict",
+            json=body,
+            headers={"Authorization": f"Bearer {inference_key}"},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["predictions"][0] == pytest.approx(top5((200, 30, 90)), abs=1e-4)
+        elsewhere = httpx.get(  # management is not on the inference address
+            f"{proc.url}/models", headers={"Authorization": f"Bearer {inference_key}"}
+        )
+        assert elsewhere.status_code == 404
+        assert not (root / "model-store" / ".snapshot").exists()  # declarative: nothing written
+    finally:
+        proc.stop()
