@@ -14,9 +14,7 @@ import grpc
 import httpx
 import pytest
 from serving import ServerProcess
-
-from scriptserve.server.grpc._generated import management_pb2 as mgmt
-from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
+from tsprotos import torchserve_stubs
 
 ROW = [0.5] * 8
 TORCHSCRIPT_OPS = {"aten::linear", "aten::addmm", "aten::relu"}
@@ -63,8 +61,10 @@ def batch_ranges(trace: dict[str, Any], model: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def grpc_management(server: ServerProcess) -> Iterator[Any]:
+    # The project's management proto compiled as a client would (tsprotos.py): importing
+    # server/grpc/_generated here would clash with it in protobuf's default pool.
     with grpc.insecure_channel(server.grpc_mgmt) as channel:
-        yield mgmt_grpc.ManagementAPIsServiceStub(channel)
+        yield torchserve_stubs().mgmt_grpc.ManagementAPIsServiceStub(channel)
 
 
 def key(server: ServerProcess) -> tuple[tuple[str, str]]:
@@ -174,7 +174,7 @@ def test_process_workers_trace_over_grpc(server: ServerProcess, grpc_management:
         (worker,) = described["workers"]
         with Load(server.url, "tiny_proc") as load:
             answer = grpc_management.ProfileModel(
-                mgmt.ProfileModelRequest(model_name="tiny_proc", batches=3),
+                torchserve_stubs().mgmt.ProfileModelRequest(model_name="tiny_proc", batches=3),
                 metadata=key(server),
                 timeout=90,
             )
@@ -187,7 +187,7 @@ def test_process_workers_trace_over_grpc(server: ServerProcess, grpc_management:
         assert set(load.statuses) == {200}
         # The worker's profiler was stopped: a second capture starts and ends as the first.
         again = grpc_management.ProfileModel(
-            mgmt.ProfileModelRequest(model_name="tiny_proc", seconds=0.2),
+            torchserve_stubs().mgmt.ProfileModelRequest(model_name="tiny_proc", seconds=0.2),
             metadata=key(server),
             timeout=90,
         )
@@ -200,7 +200,9 @@ def test_profiling_takes_the_management_key(server: ServerProcess, grpc_manageme
     reply = httpx.post(f"{server.mgmt}/models/tiny/profile", params={"batches": 1})
     assert reply.status_code == 401
     with pytest.raises(grpc.RpcError) as refused:
-        grpc_management.ProfileModel(mgmt.ProfileModelRequest(model_name="tiny"), timeout=10)
+        grpc_management.ProfileModel(
+            torchserve_stubs().mgmt.ProfileModelRequest(model_name="tiny"), timeout=10
+        )
     assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -224,7 +226,7 @@ def test_unknown_models(server: ServerProcess, grpc_management: Any) -> None:
     assert reply.status_code == 404
     with pytest.raises(grpc.RpcError) as missing:
         grpc_management.ProfileModel(
-            mgmt.ProfileModelRequest(model_name="tiny", model_version="9.9"),
+            torchserve_stubs().mgmt.ProfileModelRequest(model_name="tiny", model_version="9.9"),
             metadata=key(server),
             timeout=10,
         )
