@@ -80,11 +80,13 @@ gen-proto: install
 
 # Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client);
 # benchmarks/grpc_client (C++, closed-loop gRPC) builds on Debian's gRPC into build/grpc_client/.
-# benchmarks/dashboard.py draws the Grafana dashboard from a real Prometheus (Debian's too); then
-# benchmarks/charts.py draws the results' charts, both into docs/images/.
+# benchmarks/dashboard/ draws the Grafana dashboard from a real Prometheus (Debian's too); then
+# benchmarks/charts.py draws the results' charts, both into docs/images/. benchmarks/rollout.py
+# restarts replicas behind Debian's haproxy under load.
 bench: install
 	command -v wrk >/dev/null && command -v h2load >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq wrk nghttp2-client)
+	command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy)
 	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq prometheus)
 	command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null && \
@@ -98,3 +100,4 @@ bench: install
 	$(PYTHON) -m benchmarks.pt2
 	$(PYTHON) -m benchmarks.dashboard
 	$(PYTHON) -m benchmarks.charts
+	$(PYTHON) -m benchmarks.rollout
