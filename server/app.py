@@ -355,15 +355,16 @@ async def drain(
 ) -> None:
     """Answer what was accepted, tell every client to go elsewhere, and stop accepting.
 
-    At once: readiness answers 503, new inference requests 503, gRPC health NOT_SERVING, every
-    HTTP response that starts carries `Connection: close` (so no keep-alive client sends another
-    request on a connection that is about to close), and the HTTP listeners close. Closing them
-    first, before any client was told to reconnect, leaves the kernel's accept queue empty when
-    it is reset; later, a reconnecting client would be refused, and a refused connection carries
-    no request, so the client may retry it anywhere. Keep-alive connections get
-    `drain_keepalive_grace_s` to send their next request (answered 503, then closed); those
-    still idle then are closed; the others close after their answer, all within
-    `drain_timeout_s`.
+    At once: readiness answers 503, gRPC health NOT_SERVING, every HTTP response that starts
+    carries `Connection: close` (so no keep-alive client sends another request on a connection
+    that is about to close), and the HTTP listeners close. Closing them first, before any client
+    was told to reconnect, leaves the kernel's accept queue empty when it is reset; later, a
+    reconnecting client would be refused, and a refused connection carries no request, so the
+    client may retry it anywhere. Keep-alive connections get `drain_keepalive_grace_s` to send
+    their next request, which is served (the workers are still there) and answered with
+    `Connection: close`; those still idle then are closed, and from then on a new request (a
+    gRPC call on an open channel) is answered 503 / UNAVAILABLE. The others close after their
+    answer, all within `drain_timeout_s`.
     """
     log.info("shutting down: draining in-flight requests (up to %g s)", settings.drain_timeout_s)
     loop = asyncio.get_running_loop()
@@ -372,7 +373,6 @@ async def drain(
     # (readiness 503), never a 200 from a readiness check that raced with the signal.
     dataplane.draining = True
     connections.drain()
-    requests_done = asyncio.ensure_future(dataplane.drain(settings.drain_timeout_s))
     for s in servers:
         s.stop_accepting()
     log.info("HTTP listeners closed; %d connection(s) open", len(connections.open))
@@ -380,6 +380,7 @@ async def drain(
     grace = min(settings.drain_keepalive_grace_s, settings.drain_timeout_s)
     await connections.wait_closed(grace)
     connections.close_idle()
+    requests_done = asyncio.ensure_future(dataplane.drain(max(0.0, deadline - loop.time())))
     if not await connections.wait_closed(max(0.0, deadline - loop.time())):
         log.warning("drain timeout: %d HTTP connection(s) still open", len(connections.open))
     if not await requests_done:

@@ -64,6 +64,10 @@ class DataPlane(DescribesModels):
         self.starting = True
         """Until the models named at startup have all been loaded (or have failed)."""
         self.draining = False
+        """Shutting down: not ready, so balancers send new traffic elsewhere; what still arrives
+        on open connections is served until `refusing`."""
+        self.refusing = False
+        """No new request is accepted (answered 503: retry on another replica)."""
         self._inflight: dict[tuple[str, str], int] = {}
         """Requests submitted and not yet answered, per (model, version)."""
         self._idle = asyncio.Event()
@@ -308,7 +312,7 @@ class DataPlane(DescribesModels):
     def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
         note_model(name, version)
         trace_model(name, version)
-        if self.draining:
+        if self.refusing:
             raise ModelNotReady("the server is shutting down; retry on another replica")
         mv = self.registry.get(name, version)
         note_model(name, mv.version)
@@ -373,7 +377,7 @@ class DataPlane(DescribesModels):
     # -- shutdown ----------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait for the accepted ones; True if all were answered."""
-        self.draining = True
+        self.draining = self.refusing = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -382,5 +386,5 @@ class DataPlane(DescribesModels):
 
     async def close(self) -> None:
         """Stop taking traffic, let queues drain, stop every model."""
-        self.draining = True
+        self.draining = self.refusing = True
         await self.registry.close(self.settings.drain_timeout_s)
