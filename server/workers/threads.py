@@ -18,6 +18,7 @@ worker that cannot start is tried again after the restart policy's back-off. Wit
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -44,6 +45,20 @@ log = logging.getLogger("scriptserve.workers")
 
 HandlerFactory = Callable[[str], tuple[BaseHandler, Context]]
 """Builds and initializes a handler for a device; blocking (loads the model)."""
+
+
+def own_threads(intra_op_threads: int) -> None:
+    """Give this worker thread its intra-op thread count, when torch runs here.
+
+    OpenMP keeps the count per thread: the loading thread's `torch.set_num_threads` does not
+    reach a worker thread started later, whose parallel regions would use every core while
+    torch.get_num_threads() still reports the process's value (measured: a TorchScript MLP on
+    a new thread used 1.7 cores with 1 asked for). A `.pt2` backend sets its own on its first
+    call; torch is not imported here for it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(intra_op_threads)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -126,6 +141,7 @@ class ThreadRunner:
         return slots
 
     def serve(self, pool: WorkerPool[ThreadSlot], slot: ThreadSlot) -> None:
+        own_threads(slot.context.intra_op_threads)
         try:
             with worker_scope(slot.handler):
                 pool.serve(slot)
