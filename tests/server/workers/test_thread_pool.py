@@ -32,7 +32,8 @@ from scriptserve.server.errors import (
     QueueFull,
 )
 from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.workers.pool import RestartPolicy, WorkerPool, WorkerState, deliver
+from scriptserve.server.workers.delivery import deliver
+from scriptserve.server.workers.pool import RestartPolicy, WorkerPool, WorkerState
 from scriptserve.server.workers.threads import ThreadRunner, ThreadSlot
 
 pytestmark = pytest.mark.anyio
