@@ -6,12 +6,15 @@ The backend is NCCL when the rank has a GPU, gloo otherwise. Only rank 0 writes 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("training")
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,8 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     restart_count: int = 0
+    max_restarts: int = 0
+    agent_store: bool = False  # the workers' process group uses the elastic agent's TCPStore
 
     @property
     def distributed(self) -> bool:
@@ -38,6 +43,8 @@ def dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
         local_rank=int(env.get("LOCAL_RANK", "0")),
         world_size=int(env.get("WORLD_SIZE", "1")),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -53,6 +60,14 @@ def init_process_group(info: DistInfo, device: torch.device) -> None:
     """Join the group torchrun set up (env:// rendezvous); a no-op for a single process."""
     if not info.distributed or dist.is_initialized():
         return
+    if info.is_main and info.max_restarts > 0 and info.agent_store:
+        # torch 2.13's c10d rendezvous keeps one TCPStore across restarts, with the last
+        # attempt's keys: restarted ranks can read dead peers' addresses and fail to connect
+        # (pytorch/pytorch#135712; measured here with gloo, DDP and FSDP alike).
+        log.warning(
+            "elastic restarts may fail to reconnect the ranks: launch torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that every attempt gets a fresh store"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)

@@ -13,17 +13,18 @@ model; a file whose outputs differ by more than its tolerance is refused (`Expor
 | onnx | onnxruntime (CPU) | 1e-3 |
 | torchscript-int8 | archiver.quantize | the guard on the validation samples |
 
-The guard: top-1 agreement with fp32 >= 0.98 and accuracy within 1 point. TorchScript is
-deprecated upstream (torch.export replaces it); `torch.jit` and the TorchScript-based ONNX
-exporter print deprecation warnings on torch 2.13, filtered here around each of those calls and
-nowhere on the `.pt2` path.
+The guard: top-1 agreement with fp32 >= 0.98 and accuracy within 1 point. A run with QAT makes
+its pt2-int8 package in training/qat.py instead, guarded against the fake-quantized model it
+trained. TorchScript is deprecated upstream (torch.export replaces it); `torch.jit` and the
+TorchScript-based ONNX exporter print deprecation warnings on torch 2.13, filtered here around
+each of those calls and nowhere on the `.pt2` path.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,8 @@ class Exported:
     quantization: Any = None  # archiver.manifest.Quantization for int8
     pt2: Pt2Info | None = None
     """How a `.pt2` package was compiled, for its manifest."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Figures for the archive's `metrics` besides the test accuracy (QAT: its PTQ baseline)."""
 
 
 def eager_logits(model: nn.Module, inputs: torch.Tensor) -> np.ndarray:
