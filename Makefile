@@ -81,7 +81,7 @@ gen-proto: install
 # Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client);
 # benchmarks/grpc_client (C++, closed-loop gRPC) builds on Debian's gRPC into build/grpc_client/.
 # benchmarks/dashboard/ draws the Grafana dashboard from a real Prometheus (Debian's too); then
-# benchmarks/charts.py draws the results' charts, both into docs/images/. benchmarks/rollout.py
+# benchmarks/charts.py draws the results' charts, both into docs/images/. benchmarks/rollout/
 # restarts replicas behind Debian's haproxy under load.
 bench: install
 	command -v wrk >/dev/null && command -v h2load >/dev/null || \

@@ -1,5 +1,5 @@
 """A rolling restart behind haproxy loses no request: two replicas under steady load, each in
-turn sent SIGTERM and started again (benchmarks/rollout.py with short phases)."""
+turn sent SIGTERM and started again (benchmarks/rollout/ with short phases)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from conftest import ArchiveFactory
 
 # `benchmarks` is found from the repository root, which `python -m pytest` (`make test`, .ci/run)
 # puts on sys.path.
-from benchmarks.rollout import NO_HAPROXY, haproxy_path, rollout
+from benchmarks.rollout.haproxy import NO_HAPROXY, haproxy_path
+from benchmarks.rollout.scenario import rollout
 
 
 def test_rolling_restart_answers_every_request(
