@@ -18,8 +18,7 @@ from scriptserve.server.access_log import (
     opened,
     usable_request_id,
 )
-
-Behavior = Callable[..., Any]
+from scriptserve.server.grpc.wrapping import Behavior, wrapped
 
 
 def _status(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
@@ -74,22 +73,10 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         given = next((v for k, v in details.invocation_metadata or () if k == HEADER), None)
         request_id = usable_request_id(given if isinstance(given, str) else None)
         method: str = details.method
-        if handler.response_streaming:
-            behavior = handler.stream_stream or handler.unary_stream
-            wrapped: Behavior = self._streaming(behavior, method, request_id)
-        else:
-            behavior = handler.stream_unary or handler.unary_unary
-            wrapped = self._unary(behavior, method, request_id)
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(bool(handler.request_streaming), bool(handler.response_streaming))]
-        return make(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        return wrapped(
+            handler,
+            unary=lambda behavior: self._unary(behavior, method, request_id),
+            streaming=lambda behavior: self._streaming(behavior, method, request_id),
         )
 
     def _record(self, method: str, request_id: str | None, context: Any) -> AccessRecord:

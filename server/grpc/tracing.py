@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from scriptserve.server.grpc.wrapping import Behavior, wrapped
 from scriptserve.server.tracing import (
     TRACEPARENT,
     RequestTrace,
@@ -19,8 +20,6 @@ from scriptserve.server.tracing import (
     headers_of,
     opened,
 )
-
-Behavior = Callable[..., Any]
 
 
 def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
@@ -51,22 +50,10 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         headers = headers_of(details.invocation_metadata)
         method: str = details.method
-        if handler.response_streaming:
-            behavior = handler.stream_stream or handler.unary_stream
-            wrapped: Behavior = self._streaming(behavior, method, headers)
-        else:
-            behavior = handler.stream_unary or handler.unary_unary
-            wrapped = self._unary(behavior, method, headers)
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(bool(handler.request_streaming), bool(handler.response_streaming))]
-        return make(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        return wrapped(
+            handler,
+            unary=lambda behavior: self._unary(behavior, method, headers),
+            streaming=lambda behavior: self._streaming(behavior, method, headers),
         )
 
     async def _start(
