@@ -43,5 +43,10 @@ def test_fuzz_finds_no_server_error(server: ServerProcess, api: str, tmp_path: P
     print(f"{api}: {len(statuses)} requests tried, statuses {sorted(set(statuses))}")
     assert len(statuses) >= 20
     assert not [s for s in statuses if s >= 500]
-    assert not LEAK.search(recorded.split("interactions:", 1)[-1].replace(str(base), ""))
+    answers = recorded.split("interactions:", 1)[-1].replace(str(base), "")
+    # schemathesis names each test case with a random id (in the cassette and a header): one
+    # may spell a word the leak check looks for ("r2shmD" has "shm"), so the ids go first.
+    for case_id in set(re.findall(r"- id: '([A-Za-z0-9]+)'", answers)):
+        answers = answers.replace(case_id, "")
+    assert not LEAK.search(answers)
     assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
