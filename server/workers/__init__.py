@@ -20,7 +20,8 @@ from scriptserve.handlers.loader import load_handler
 from scriptserve.server.batching import DynamicBatcher
 from scriptserve.server.metrics import VersionMetrics
 from scriptserve.server.workers.pool import RestartPolicy, WorkerPool, WorkerState
-from scriptserve.server.workers.process.runner import ProcessRunner, ProcessSlot
+from scriptserve.server.workers.process.runner import ProcessRunner
+from scriptserve.server.workers.process.slot import ProcessSlot
 from scriptserve.server.workers.threads import ThreadRunner, ThreadSlot
 
 __all__ = ["AnyWorkerPool", "RestartPolicy", "WorkerPool", "WorkerState", "build_pool"]

@@ -24,11 +24,10 @@ import logging
 import os
 import pickle
 from collections import deque
-from dataclasses import dataclass, field, replace
-from multiprocessing import shared_memory
+from dataclasses import replace
 from multiprocessing.connection import wait
 from threading import Lock
-from time import monotonic, perf_counter
+from time import monotonic
 
 from scriptserve.handlers.base import (
     Context,
@@ -37,19 +36,18 @@ from scriptserve.handlers.base import (
     InferenceResponse,
     PartSink,
     StageTimes,
-    StreamClosed,
 )
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
 from scriptserve.server.log_format import current_format
-from scriptserve.server.workers.capture import PROFILER_TIMEOUT_S, Capture
+from scriptserve.server.workers.capture import Capture
 from scriptserve.server.workers.pool import (
     RestartPolicy,
-    Slot,
     WorkerLost,
     WorkerPool,
     WorkerState,
 )
 from scriptserve.server.workers.process import shared_memory as frames
+from scriptserve.server.workers.process.capture import follow_capture
 from scriptserve.server.workers.process.child import ChildSpec
 from scriptserve.server.workers.process.child_process import (
     Child,
@@ -58,29 +56,14 @@ from scriptserve.server.workers.process.child_process import (
     exit_description,
     spawn,
 )
+from scriptserve.server.workers.process.exchange import exchange
+from scriptserve.server.workers.process.slot import ProcessSlot
 
 log = logging.getLogger("scriptserve.workers.process")
 
 START_TIMEOUT_S = 180.0
 """How long a new worker process may take to import its runtime, load the model and warm it up."""
 _WATCH_INTERVAL_S = 0.2
-
-
-@dataclass(eq=False, kw_only=True)
-class ProcessSlot(Slot):
-    requests: shared_memory.SharedMemory
-    responses: shared_memory.SharedMemory
-    """The slot's segments outlive its worker processes; made before the first child, so that
-    the children share this process's resource tracker."""
-    child: Child | None = None
-    """The worker process; None between losing one and starting the next."""
-    crashes_in_row: int = 0
-    lock: Lock = field(default_factory=Lock)
-
-    @property
-    def pid(self) -> int | None:
-        child = self.child
-        return child.process.pid if child is not None else None
 
 
 class ProcessRunner:
@@ -168,7 +151,10 @@ class ProcessRunner:
         if child is None:  # `prepare` gave it one; `stop` may have ended it since
             raise WorkerLost(ModelNotReady("the model was stopped before this request ran"))
         try:
-            responses = self._exchange(slot, child, requests, times, parts)
+            responses = exchange(
+                slot, child, requests, times, parts,
+                timeout_s=self._timeout_s, metrics=self._context.metrics,
+            )  # fmt: skip
         except WorkerGone as exc:
             when = f"({exc}) while running this request"
             raise WorkerLost(self._lost(pool, slot, requests, when)) from None
@@ -228,40 +214,7 @@ class ProcessRunner:
     def profile(
         self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot, capture: Capture | None
     ) -> None:
-        """Start the worker process's profiler for a capture that is on, or end it and hand
-        its trace to the capture. A worker lost meanwhile has nothing to hand: its
-        replacement starts without a profiler, and `prepare` deals with the loss."""
-        child = slot.child
-        wanted = capture is not None and not capture.done.is_set()
-        if child is None or wanted == slot.profiling:
-            return
-        deadline = monotonic() + PROFILER_TIMEOUT_S
-        try:
-            if capture is not None and wanted:
-                child.send(("profile", capture.settings))
-                problem = child.receive(deadline)[1]
-                if problem is None:
-                    slot.profiling = True
-                    capture.joined(slot.id)
-                else:
-                    capture.handed(slot.id, None, f"worker {slot.id}: {problem}")
-                return
-            slot.profiling = False
-            if capture is None:  # the capture gave up waiting: end the profiler, drop its trace
-                child.send(("profile-end", None))
-                child.receive(deadline)
-                return
-            trace = capture.trace_of(slot.id)
-            child.send(("profile-end", str(trace)))
-            problem = child.receive(deadline)[1]
-            capture.handed(slot.id, None if problem else trace, problem)
-        except (WorkerGone, WorkerHung) as exc:
-            log.warning(
-                "model=%s version=%s worker %d lost while profiling: %s",
-                pool.model, pool.version, slot.id, exc,
-            )  # fmt: skip
-            if capture is not None:
-                capture.handed(slot.id, None, f"worker {slot.id} was lost while profiling")
+        follow_capture(slot, capture, pool.model, pool.version)
 
     # -- one worker process ------------------------------------------------------------------
     def _start(self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot) -> None:
@@ -300,49 +253,6 @@ class ProcessRunner:
             slot.pid,
         )
         return None
-
-    def _exchange(
-        self,
-        slot: ProcessSlot,
-        child: Child,
-        requests: list[InferenceRequest],
-        times: StageTimes,
-        parts: PartSink,
-    ) -> list[InferenceResponse]:
-        """Send a batch to the worker process and read its responses back; the hand-over both
-        ways counts into the batch's input and output stages, with the worker's own. Parts a
-        streaming handler sends come first, each step answered with whether anyone listens."""
-        started = perf_counter()
-        frame = frames.Frame()
-        described = [frames.describe_request(frame, request) for request in requests]
-        slot.requests = frames.ensure_segment(slot.requests, frame.size)
-        frame.write(frames.segment_view(slot.requests))
-        times.input_s += perf_counter() - started
-        deadline = monotonic() + self._timeout_s
-        child.send(("run", slot.requests.name, slot.responses.name, slot.responses.size, described))
-        while True:
-            reply = child.receive(deadline)
-            if reply[0] == "grow":  # the responses need a bigger segment
-                slot.responses = frames.ensure_segment(slot.responses, reply[1])
-                child.send(("output", slot.responses.name, slot.responses.size))
-                continue
-            if reply[0] == "parts":
-                try:
-                    parts.send(reply[1])
-                except StreamClosed:
-                    child.send(("listening", False))
-                else:
-                    child.send(("listening", True))
-                continue
-            _, metas, (input_s, output_s), changes = reply
-            if changes:
-                self._context.metrics.merge(changes)
-            reading = perf_counter()
-            buf = frames.segment_view(slot.responses)
-            responses = [frames.read_response(buf, meta) for meta in metas]
-            times.input_s += input_s
-            times.output_s += output_s + perf_counter() - reading
-            return responses
 
     def _shutdown(self, slot: ProcessSlot, grace_s: float) -> None:
         """End the slot's worker process: ask it to exit, kill it after `grace_s`."""
