@@ -14,6 +14,8 @@ _HEADER = (
     f"{'server':<38}{'conns':>6}{'req/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
     f"{'errors':>7}{'srv CPU':>8}{'wrk CPU':>8}{'batch':>7}"
 )
+CEILING_TARGET = 0.5
+"""Scenario A: scriptserve's share of what the bare HTTP stack serves."""
 _VARIANT = {"batching_on": "batching on", "batching_off": "batching off"}
 
 
@@ -74,6 +76,13 @@ def table(scenario: Scenario, summary: Summary) -> str:
         f"p99, 32 connections: baseline {p99_base:.2f} ms, "
         + ", ".join(f"{_VARIANT[k]} {median(summary.p99_ms[k]):.2f} ms" for k in SCRIPTSERVE)
     )
+    if summary.ceiling_ratio["batching_on"]:
+        ceiling = summary.ceiling_ratio["batching_on"]
+        lines.append(
+            f"req/s scriptserve batching on / raw-ASGI ceiling, 32 connections: "
+            f"{median(ceiling):.2f}{_rounds(ceiling, '.2f')}  "
+            f"[target >= {CEILING_TARGET:g}: {_verdict(median(ceiling) >= CEILING_TARGET)}]"
+        )
     over = {k: median(summary.p50_over_model_ms[k]) for k in SCRIPTSERVE}
     lines.append(
         f"1 connection: model alone {median(scenario.model_ms):.3f} ms (batch 1, in-process); "

@@ -1,7 +1,9 @@
 """The two scenarios: which model, which servers, and how the targets are judged.
 
 A (overhead-bound): the MLP, one row per request as a JSON array. Baseline: a bare FastAPI route
-that parses the same body and answers a constant (`baselines/bare_fastapi.py`).
+that parses the same body and answers a constant (`baselines/bare_fastapi.py`); ceiling: a plain
+ASGI callable that does the same on the same uvicorn/uvloop/httptools stack
+(`baselines/raw_asgi.py`), the most a Python front end on that stack could serve.
 B (compute-bound): the small CNN on 3x32x32. Baseline: FastAPI running the same scripted model
 once per request (`baselines/per_request_fastapi.py`), both as an `async def` route and as a
 plain `def` route in FastAPI's thread pool; the faster of the two in each round is the baseline.
@@ -29,6 +31,8 @@ class Contender:
     trivial_path: str
     """A GET that does no work, loaded to show wrk's headroom."""
     is_baseline: bool = False
+    is_ceiling: bool = False
+    """The same HTTP stack with nothing above it: what a Python front end could reach."""
 
 
 def _per_variant() -> dict[str, list[float]]:
@@ -47,6 +51,8 @@ class Summary:
     p99_ms: dict[str, list[float]] = field(default_factory=_per_variant)
     p50_over_model_ms: dict[str, list[float]] = field(default_factory=_per_variant)
     """scriptserve's 1-connection p50 minus the model's own batch-1 latency."""
+    ceiling_ratio: dict[str, list[float]] = field(default_factory=_per_variant)
+    """scriptserve's req/s over the ceiling's, at 32 connections (scenarios with a ceiling)."""
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Scenario:
 
     def summarise(self) -> Summary:
         baselines = [c.key for c in self.contenders if c.is_baseline]
+        ceiling = next((c.key for c in self.contenders if c.is_ceiling), None)
         summary = Summary()
         for r in range(len(self.model_ms)):
             base = max(baselines, key=lambda k: self.runs[k][32][r].load.rps)
@@ -77,6 +84,9 @@ class Scenario:
                 summary.p99_ms[key].append(self.runs[key][32][r].load.p99_ms)
                 over = self.runs[key][1][r].load.p50_ms - self.model_ms[r]
                 summary.p50_over_model_ms[key].append(over)
+                if ceiling is not None:
+                    top = self.runs[ceiling][32][r].load.rps
+                    summary.ceiling_ratio[key].append(self.runs[key][32][r].load.rps / top)
         return summary
 
 
@@ -104,10 +114,14 @@ def build_scenarios(workdir: Path, workers: int, intra_op_threads: int) -> list[
     def bare() -> ServerProcess:
         return uvicorn_app("bare FastAPI", "benchmarks.baselines.bare_fastapi:app", {})
 
+    def raw() -> ServerProcess:
+        return uvicorn_app("raw ASGI", "benchmarks.baselines.raw_asgi:app", {})
+
     live = "/v2/health/live"
     return [
         Scenario("A", "overhead-bound: MLP 512-1024-1024-10, one JSON row per request", 0.8,
                  mlp, [
+            Contender("raw_asgi", "raw ASGI + orjson (ceiling)", raw, "/", is_ceiling=True),
             Contender("bare_fastapi", "bare FastAPI (baseline)", bare, "/", is_baseline=True),
             Contender("batching_on", "scriptserve batching on (32)", served(mlp, 32), live),
             Contender("batching_off", "scriptserve batching off (1)", served(mlp, 1), live),

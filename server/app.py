@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from scriptserve.server import snapshot
 from scriptserve.server.access_log import AccessLog
@@ -36,6 +37,7 @@ from scriptserve.server.repository import ModelRepository
 from scriptserve.server.rest.access import AccessLogged
 from scriptserve.server.rest.connection_limits import ConnectionLimits, HttpConnections
 from scriptserve.server.rest.guard import guarded
+from scriptserve.server.rest.hot_routes import HotRoutes
 from scriptserve.server.rest.inference import create_inference_app
 from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_routes
 from scriptserve.server.rest.management import create_management_app
@@ -181,6 +183,13 @@ async def load_startup_models(
                 log.error("default version %s of model %s: %s", version, name, exc.message)
 
 
+def forwarded(app: Any) -> Any:
+    """`app` behind uvicorn's proxy-headers layer: the client's address and scheme from
+    X-Forwarded-For / X-Forwarded-Proto when the peer is a proxy on loopback (uvicorn's
+    default trust)."""
+    return ProxyHeadersMiddleware(app)
+
+
 def _http_apps(
     settings: ServerSettings,
     dataplane: DataPlane,
@@ -196,14 +205,22 @@ def _http_apps(
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
     probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
-    inference_app = create_inference_app(dataplane, settings)
-    add_kserve_v1_routes(inference_app, dataplane)
-    add_repository_routes(inference_app, repository)
+    inference = create_inference_app(dataplane, settings)
+    add_kserve_v1_routes(inference.app, dataplane)
+    add_repository_routes(inference.app, repository)
+    # uvicorn's proxy-headers layer (the client's address and scheme from X-Forwarded-* when the
+    # peer is a loopback proxy) runs where something reads them: outside the access log and
+    # tracing when they are on, and in front of the FastAPI apps; the hot inference routes
+    # read neither.
+    hot_routes = HotRoutes(
+        forwarded(inference.app), inference.app.routes, inference.predict,
+        inference.infer,
+    )  # fmt: skip
     apps: list[tuple[str, Any, str]] = [
         (
             "inference",
             guarded(
-                inference_app,
+                hot_routes,
                 keys,
                 "inference",
                 limit,
@@ -217,7 +234,7 @@ def _http_apps(
         (
             "management",
             guarded(
-                create_management_app(management, settings),
+                forwarded(create_management_app(management, settings)),
                 keys,
                 "management",
                 limit,
@@ -242,6 +259,8 @@ def _http_apps(
             (what, AccessLogged(app, access) if what != "metrics" else app, address)
             for what, app, address in apps
         ]
+    if access.enabled or tracing.enabled:
+        apps = [(what, forwarded(app), address) for what, app, address in apps]
     if settings.inference_address == settings.management_address:  # TorchServe allows it
         (_, inference_app, address), (_, management_app, _), metrics_app = apps
         shared = SharedAddress(inference_app, management_app)
@@ -296,6 +315,7 @@ async def serve(settings: ServerSettings) -> int:
             log_config=None,
             access_log=False,
             lifespan="off",
+            proxy_headers=False,  # installed by `_http_apps` where it is needed
             # `drain` has waited for the connections already: this is only for the last writes.
             timeout_graceful_shutdown=1,
             backlog=2048,

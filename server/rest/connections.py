@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from scriptserve.server.rest.coalesced_writes import CoalescedWrites
+
 if TYPE_CHECKING:
     from scriptserve.server.rest.connection_limits import HttpConnections
 
@@ -80,7 +82,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     # -- connection ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # One system call per answer, not one for the head and one for the body.
+        super().connection_made(CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
         if not self.pool.admit(self):
             message = "the server has too many open connections; retry shortly"
             self._answer_and_close(503, message, b"retry-after: 1\r\n")

@@ -7,11 +7,12 @@ Routes decode the wire format, call the data plane, and encode its answer; nothi
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import request_response as starlette_request_response
 
@@ -22,6 +23,7 @@ from scriptserve.server.codec.header_values import positive_seconds
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
 from scriptserve.server.rest.errors import install_error_handlers
+from scriptserve.server.rest.hot_routes import Endpoint
 from scriptserve.server.rest.oip_extensions import add_model_extension_routes
 from scriptserve.server.rest.streams import (
     generate_answer,
@@ -54,11 +56,14 @@ async def _predictions_request(request: Request, settings: ServerSettings) -> In
         body = await request.body()
         return torchserve.body_request(body, content_type, request.headers)
     fields: dict[str, bytes] = {}
-    form = await request.form(
-        max_files=settings.max_multipart_files,
-        max_fields=settings.max_multipart_fields,
-        max_part_size=settings.max_multipart_part_bytes,
-    )
+    try:
+        form = await request.form(
+            max_files=settings.max_multipart_files,
+            max_fields=settings.max_multipart_fields,
+            max_part_size=settings.max_multipart_part_bytes,
+        )
+    except MultiPartException as exc:  # Starlette makes it a 400 only inside its own app
+        raise InvalidInput(f"the multipart body cannot be read: {exc.message}") from None
     for key, value in form.multi_items():
         fields[key] = await value.read() if isinstance(value, UploadFile) else value.encode()
     return torchserve.predictions_request(fields, content_type, request.headers)
@@ -111,7 +116,16 @@ def _path_params(*names: str) -> dict[str, Any]:
     }
 
 
-def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> FastAPI:
+class InferenceApp(NamedTuple):
+    """The inference API: the FastAPI app (every route, and the OpenAPI document) and the
+    endpoints of its hot routes, which `HotRoutes` serves in front of it."""
+
+    app: FastAPI
+    predict: Endpoint
+    infer: Endpoint
+
+
+def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> InferenceApp:
     app = FastAPI(
         title="scriptserve inference API",
         version=__version__,
@@ -249,7 +263,7 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     for suffix, run in (("generate", generate_one), ("generate_stream", generate_stream)):
         _add_versioned_post(app, f"/v2/models/{{model_name}}/{suffix}", run, "OIP generate")
 
-    return app
+    return InferenceApp(app, predict, infer)
 
 
 def _add_versioned_post(

@@ -215,3 +215,20 @@ def test_plain_lines_are_single_lines(tmp_path: Path) -> None:
     text = (tmp_path / "access.log").read_text()
     assert text.count("\n") == 1
     assert '"GET /v2/models/a\\nFORGED 200" rest' in text and "status=404" in text
+
+
+def test_a_loopback_proxys_forwarded_client_is_logged(logged: tuple[ServerProcess, Path]) -> None:
+    # A sidecar or proxy on loopback names the real client; the inference routes, served below
+    # FastAPI, log it as the other routes do.
+    server, access = logged
+    forwarded = {**KEY, "X-Forwarded-For": "203.0.113.7"}
+    for i, path in enumerate(("/predictions/tiny", "/v2/models/tiny")):
+        request_id = f"forwarded-{i}"
+        if path.startswith("/predictions"):
+            r = httpx.post(
+                server.url + path, json=ROW, headers={**forwarded, "X-Request-Id": request_id}
+            )
+        else:
+            r = httpx.get(server.url + path, headers={**forwarded, "X-Request-Id": request_id})
+        assert r.status_code == 200, r.text
+        assert line_for(access, request_id)["client"] == "203.0.113.7:0"

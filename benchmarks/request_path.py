@@ -1,0 +1,182 @@
+"""Scenario A's request against the raw-ASGI ceiling, route by route, and against an older tree.
+
+    python -m benchmarks.request_path                         # 3 rounds of 8 s runs: ~4 minutes
+    python -m benchmarks.request_path --before /tmp/before-venv/bin/python
+
+In one run, every server up at once and loaded in turn (wrk, 32 connections, scenario A's MLP
+with the scenarios' settings): the raw-ASGI + orjson echo of the same body (the ceiling,
+`baselines/raw_asgi.py`), the bare FastAPI endpoint (scenario A's baseline), and scriptserve on
+three routes for the same row: TorchServe's `/predictions/mlp` with the JSON array, OIP's
+`/v2/models/mlp/infer` with the tensor as JSON, and the same with OIP's binary tensor extension.
+With `--before`, a second scriptserve from another tree's python serves the same three routes.
+Ratios are taken within each round, then their median; the results are also written to
+benchmarks/results/request_path-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import ab, models, report
+from benchmarks.loadgen import LoadResult, run_wrk, wrk_path
+from benchmarks.scenarios import median
+from benchmarks.servers import ServerProcess, uvicorn_app
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_FIGURES = ("rps", "p50_ms", "p99_ms")
+_BARE = "benchmarks.baselines.bare_fastapi:app"
+
+
+@dataclass(frozen=True)
+class Route:
+    key: str
+    path: str
+    body: Path
+    headers: Mapping[str, str]
+
+
+def routes(model: models.BenchModel, workdir: Path) -> list[Route]:
+    """The same float32 row three ways: TorchServe JSON, OIP JSON, OIP binary."""
+    row = np.asarray(json.loads(model.body.read_text()), dtype="<f4")[None]
+    tensor = {"name": "x", "shape": list(row.shape), "datatype": "FP32"}
+    oip_json = workdir / "oip.json"
+    # The same numbers as the same text: the row's JSON array, inside OIP's envelope.
+    envelope = json.dumps({"inputs": [{**tensor, "data": None}]}).encode()
+    oip_json.write_bytes(envelope.replace(b"null", model.body.read_bytes().strip()))
+    raw = row.tobytes()
+    head = json.dumps({
+        "inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
+        "parameters": {"binary_data_output": True},
+    }, separators=(",", ":")).encode()  # fmt: skip
+    oip_binary = workdir / "oip.bin"
+    oip_binary.write_bytes(head + raw)
+    json_post = {"Content-Type": "application/json"}
+    return [
+        Route("torchserve", f"/predictions/{model.name}", model.body, json_post),
+        Route("oip_json", f"/v2/models/{model.name}/infer", oip_json, json_post),
+        Route("oip_binary", f"/v2/models/{model.name}/infer", oip_binary, {
+            "Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head)),
+        }),
+    ]  # fmt: skip
+
+
+def _ratios(a: list[LoadResult], b: list[LoadResult]) -> list[float]:
+    return [x.rps / y.rps for x, y in zip(a, b, strict=True)]
+
+
+def _line(label: str, values: list[float], target: float | None = None) -> str:
+    rounds = " ".join(f"{v:.2f}" for v in values)
+    verdict = (
+        ""
+        if target is None
+        else f"  [target >= {target:g}: " + ("met]" if median(values) >= target else "missed]")
+    )
+    return f"{label:<52}{median(values):>6.2f}  (rounds: {rounds}){verdict}"
+
+
+def summarise(runs: dict[str, list[LoadResult]], before: bool) -> list[str]:
+    lines = [f"{'server / route':<40}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"]
+    for key, results in runs.items():
+        rps, p50, p99 = (median([getattr(r, f) for r in results]) for f in _FIGURES)
+        lines.append(f"{key:<40}{rps:>9.0f}{p50:>9.2f}{p99:>9.2f}")
+    ts = runs["scriptserve torchserve"]
+    lines += [
+        _line("scriptserve /predictions / raw-ASGI ceiling", _ratios(ts, runs["ceiling"]), 0.5),
+        _line("scriptserve /predictions / bare FastAPI", _ratios(ts, runs["bare FastAPI"])),
+        _line("OIP JSON / /predictions", _ratios(runs["scriptserve oip_json"], ts), 0.95),
+        _line("OIP binary / /predictions", _ratios(runs["scriptserve oip_binary"], ts), 1.0),
+        _line(
+            "OIP binary / OIP JSON",
+            _ratios(runs["scriptserve oip_binary"], runs["scriptserve oip_json"]),
+            1.0,
+        ),
+    ]
+    if before:
+        for route in ("torchserve", "oip_json", "oip_binary"):
+            lines.append(
+                _line(
+                    f"{route}: this tree / before",
+                    _ratios(runs[f"scriptserve {route}"], runs[f"before {route}"]),
+                    1.6 if route == "torchserve" else None,
+                )
+            )
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.request_path", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--before", help="another tree's python, served beside this one")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--warmup", type=float, default=2.0)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    load_before = os.getloadavg()
+    wrk_path()  # fail early, with the install hint, when wrk is missing
+    with tempfile.TemporaryDirectory(prefix="scriptserve-path-") as tmp:
+        workdir = Path(tmp)
+        model = models.build("mlp", workdir, workdir / "store")
+        loads = routes(model, workdir)
+        starts: dict[str, ServerProcess] = {
+            "ceiling": uvicorn_app("raw ASGI", "benchmarks.baselines.raw_asgi:app", {}),
+            "bare FastAPI": uvicorn_app("bare FastAPI", _BARE, {}),
+            "scriptserve": ab.server("scriptserve", sys.executable, workdir / "store", {}),
+        }
+        if opts.before:
+            starts["before"] = ab.server("before", opts.before, workdir / "store", {})
+        runs: dict[str, list[LoadResult]] = {}
+        with contextlib.ExitStack() as stack:
+            servers = {k: stack.enter_context(s) for k, s in starts.items()}
+            plan = [
+                (key if key in ("ceiling", "bare FastAPI") else f"{key} {r.key}", s, r)
+                for key, s in servers.items()
+                for r in (loads[:1] if key in ("ceiling", "bare FastAPI") else loads)
+            ]
+            for _, s, r in plan:
+                run_wrk(s.url + r.path, 32, opts.warmup, 2, r.body, r.headers)
+            for round_ in range(opts.rounds):
+                print(f"round {round_ + 1}/{opts.rounds} (load average "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                for key, s, r in plan:
+                    result = run_wrk(s.url + r.path, 32, opts.seconds, 2, r.body, r.headers)
+                    if result.errors:
+                        raise SystemExit(f"{key}: {result.errors} errors in a measured run")
+                    runs.setdefault(key, []).append(result)
+    lines = summarise(runs, opts.before is not None)
+    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg()}  # fmt: skip
+    lines.append(report.host_line(host))
+    print("\n".join(lines))
+    RESULTS.mkdir(exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M")
+    out = RESULTS / f"request_path-{stamp}.json"
+    document = {
+        "host": host,
+        "rounds": opts.rounds,
+        "seconds": opts.seconds,
+        "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
+        "summary": lines,
+    }
+    out.write_text(report.compact_json(document))
+    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
