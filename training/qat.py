@@ -113,21 +113,6 @@ class QatModel:
     """Layers left fp32 (one-channel convolutions), by module name."""
 
 
-def one_channel_convolutions(graph: Any) -> tuple[str, ...]:
-    """Module names of the convolutions of an exported graph whose input has one channel."""
-    aten = torch.ops.aten
-    convolutions = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
-    names = []
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or node.target not in convolutions:
-            continue
-        value = getattr(node.args[0], "meta", {}).get("val")
-        stack = list((node.meta.get("nn_module_stack") or {}).values())
-        if value is not None and value.shape[1] == 1 and stack and stack[-1][0]:
-            names.append(str(stack[-1][0]))
-    return tuple(names)
-
-
 def quantizer_for(graph: Any, *, qat: bool, reduce_range: bool) -> tuple[Any, tuple[str, ...]]:
     """torchao's X86InductorQuantizer with its default config for QAT or static PTQ (the one
     archiver's static int8 uses), leaving one-channel convolutions fp32: (quantizer, their
@@ -141,7 +126,7 @@ def quantizer_for(graph: Any, *, qat: bool, reduce_range: bool) -> tuple[Any, tu
     quantizer.set_global(
         get_default_x86_inductor_quantization_config(is_qat=qat, reduce_range=reduce_range)
     )
-    left = one_channel_convolutions(graph)
+    left = pt2_int8.one_channel_convolutions(graph)
     for name in left:
         quantizer.set_module_name_qconfig(name, None)
     return quantizer, left

@@ -21,7 +21,7 @@ from pt2models import (
 from testmodels import TinyMLP, reference_output
 from torch import nn
 
-from scriptserve.archiver.accuracy import QuantizationError
+from scriptserve.archiver.accuracy import QuantizationError, ValidationSamples
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.int8 import pt2 as pt2_int8
 from scriptserve.archiver.manifest import Manifest
@@ -270,3 +270,49 @@ def tiny_archive_int8_package(tmp_path: Path) -> Path:
         target = tmp_path / "frozen.pt2"
         target.write_bytes((reader.root / "tiny_dynamic_int8.int8.pt2").read_bytes())
     return target
+
+
+class GreyNet(nn.Module):
+    """LeNet's shape in small: a convolution of one input channel (grey images) first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.grey = nn.Conv2d(1, 4, 3)
+        self.conv = nn.Conv2d(4, 8, 3)
+        self.head = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(torch.relu(self.grey(x))))
+        return self.head(h.flatten(1))
+
+
+def test_static_int8_leaves_one_channel_convolutions_fp32_and_follows_fp32(
+    tmp_path: Path,
+) -> None:
+    # Inductor's int8 convolution of a one-channel input answers wrongly once the batch is
+    # dynamic (LeNet on digits: 153 of 200 classified differently); the layer stays fp32.
+    model = GreyNet().eval()
+    rng = np.random.default_rng(0)
+    images = rng.random((96, 1, 8, 8), dtype=np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(images)).numpy()
+    program = export_model(model, {"x": images[:2]}, 16)
+    validation = ValidationSamples({"x": images})
+
+    with inductor_cache():
+        done = pt2_int8.convert(
+            program, {"x": images[:2]}, tmp_path / "grey.pt2", 16, static=True,
+            validation=validation, reduce_range=lacks_vnni(),
+        )  # fmt: skip
+
+    assert done.options["leftFloat"] == ["grey"]
+    assert done.quantized_layers == 2  # the second convolution and the linear head
+    assert any("qconv" in kernel for kernel in done.kernels), done.kernels
+    runner = PackageRunner(done.package)
+    for start, stop in ((0, 16), (16, 21), (0, 1)):
+        (out,) = runner({"x": images[start:stop]}).values()
+        reference = expected[start:stop]
+        assert (out.argmax(1) == reference.argmax(1)).mean() >= 0.8
+        np.testing.assert_allclose(out, reference, atol=0.1)
+    runner.close()
