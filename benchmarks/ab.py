@@ -32,7 +32,9 @@ from benchmarks.servers import ServerProcess, free_port
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def server(label: str, python: str, store: Path, env: dict[str, str]) -> ServerProcess:
+def server(
+    label: str, python: str, store: Path, env: dict[str, str], model: str = "mlp"
+) -> ServerProcess:
     port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
     argv = [
         python, "-m", "scriptserve", "serve", "--model-store", str(store), "--models", "all",
@@ -43,7 +45,7 @@ def server(label: str, python: str, store: Path, env: dict[str, str]) -> ServerP
         "--workers", str(os.cpu_count() or 1), "--intra-op-threads", "1",
         "--max-batch-size", "32", "--max-batch-delay", "0", "--log-level", "warning",
     ]  # fmt: skip
-    return ServerProcess(label, argv, port, "/v2/models/mlp/ready", env)
+    return ServerProcess(label, argv, port, f"/v2/models/{model}/ready", env)
 
 
 def alternate(
@@ -52,6 +54,7 @@ def alternate(
     seconds: float,
     body: Path,
     settle: Callable[[], None] | None = None,
+    model: str = "mlp",
 ) -> dict[str, list[float]]:
     """Load each server in turn with wrk (32 connections on scenario A's request) for
     `rounds` rounds after a warm-up; each one's req/s, round by round. `settle` runs after
@@ -59,12 +62,13 @@ def alternate(
     exporting spans) must not be charged to the next."""
     runs: dict[str, list[float]] = {label: [] for label in servers}
     for s in servers.values():
-        run_wrk(f"{s.url}/predictions/mlp", 32, 3, 2, body)  # warm-up
+        run_wrk(f"{s.url}/predictions/{model}", 32, 3, 2, body)  # warm-up
         if settle is not None:
             settle()
     for round_ in range(rounds):
         for label, s in servers.items():
-            runs[label].append(run_wrk(f"{s.url}/predictions/mlp", 32, seconds, 2, body).rps)
+            load = run_wrk(f"{s.url}/predictions/{model}", 32, seconds, 2, body)
+            runs[label].append(load.rps)
             if settle is not None:
                 settle()
         line = ", ".join(f"{label} {values[-1]:.0f}" for label, values in runs.items())
@@ -78,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--other", default=sys.executable, help="the other tree's python")
     p.add_argument("--other-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the other server (repeatable)")  # fmt: skip
+    p.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                   help="scenario A's MLP (default) or scenario B's CNN")  # fmt: skip
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
@@ -92,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="scriptserve-ab-") as tmp:
         store = Path(tmp) / "store"
-        model = models.build("mlp", Path(tmp) / "work", store)
+        model = models.build(args.model, Path(tmp) / "work", store)
         servers = {
-            "this": server("this", sys.executable, store, {}),
-            "other": server("other", args.other, store, other_env),
+            "this": server("this", sys.executable, store, {}, args.model),
+            "other": server("other", args.other, store, other_env, args.model),
         }
         with servers["this"], servers["other"]:
-            runs = alternate(servers, args.rounds, args.seconds, model.body)
+            runs = alternate(servers, args.rounds, args.seconds, model.body, model=args.model)
     ratios = [a / b for a, b in zip(runs["this"], runs["other"], strict=True)]
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print(
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "benchmark": "ab", "started": started.isoformat(timespec="seconds"),
-        "other": args.other, "other_env": other_env, "seconds": args.seconds, "host": host,
+        "model": args.model, "other": args.other, "other_env": other_env,
+        "seconds": args.seconds, "host": host,
         "runs": runs, "medians": medians, "ratios": ratios,
     }  # fmt: skip
     out.write_text(report.compact_json(document))
