@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -170,8 +171,8 @@ class Tracing:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-            from opentelemetry.trace import SpanKind
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+            from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
             )
@@ -190,8 +191,13 @@ class Tracing:
         ):
             attributes["service.name"] = "scriptserve"
         sampler = None  # the SDK's: OTEL_TRACES_SAMPLER, else parent-based always-on
+        self._root_ratio: float | None = None
         if sampling_ratio is not None:
-            sampler = ParentBased(TraceIdRatioBased(sampling_ratio))
+            # A request without a client's traceparent (a root) is sampled here, before the
+            # SDK is called (`unsampled_root`): a root left out costs two random numbers, not
+            # a span. The SDK keeps every root it is handed and follows a client's parent.
+            self._root_ratio = sampling_ratio
+            sampler = ParentBased(ALWAYS_ON)
         self._provider = TracerProvider(sampler=sampler, resource=Resource.create(attributes))
         self.protocol = protocol or _protocol_from(env)
         self.exporter = _exporter(self.protocol, endpoint)
@@ -199,11 +205,17 @@ class Tracing:
         self._tracer = self._provider.get_tracer("scriptserve", __version__)
         self._kind: type[SpanKind] = SpanKind
         self._propagator = TraceContextTextMapPropagator()
+        self._left_out = (NonRecordingSpan, SpanContext, TraceFlags(TraceFlags.DEFAULT))
+        sampling = (
+            f"roots sampled at {sampling_ratio:g}, a client's parent followed"
+            if sampling_ratio is not None
+            else self._provider.sampler.get_description()
+        )
         log.info(
             "tracing on: OTLP %s to %s, sampler %s",
             self.protocol,
             getattr(self.exporter, "_endpoint", endpoint or "the default endpoint"),
-            self._provider.sampler.get_description(),
+            sampling,
         )
 
     # -- a request's server span -------------------------------------------------------------
@@ -223,6 +235,17 @@ class Tracing:
             start_time=_epoch_ns(started, self._offset_s),
         )
         return RequestTrace(span, started)
+
+    def unsampled_root(self) -> RequestTrace | None:
+        """For a request without a `traceparent`: a trace that records nothing when the sampling
+        ratio leaves it out (made without the SDK), else None (open it with `start`). Always
+        None when the sampler is the SDK's own (OTEL_TRACES_SAMPLER)."""
+        ratio = self._root_ratio
+        if ratio is None or random.random() < ratio:
+            return None
+        span, context, flags = self._left_out
+        ids = random.getrandbits(128) or 1, random.getrandbits(64) or 1
+        return RequestTrace(span(context(*ids, False, flags)), 0.0)
 
     def traceparent(self, trace: RequestTrace) -> str:
         """The W3C traceparent of the request's span, returned to the client."""

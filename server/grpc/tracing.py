@@ -59,6 +59,10 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def _start(
         self, method: str, headers: dict[str, str], context: grpc.aio.ServicerContext
     ) -> RequestTrace:
+        trace = None if headers else self.tracing.unsampled_root()
+        if trace is not None:
+            await context.send_initial_metadata(((TRACEPARENT, self.tracing.traceparent(trace)),))
+            return trace
         name = method.lstrip("/")
         service, _, rpc = name.rpartition("/")
         attributes: dict[str, str | int] = {
@@ -75,6 +79,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return trace
 
     def _end(self, trace: RequestTrace, context: Any, error: BaseException | None) -> None:
+        if not trace.recording:
+            return
         code = _code(context, error)
         self.tracing.end(trace, {"rpc.grpc.status_code": code.value[0]}, error_for_grpc(code.name))
 

@@ -19,6 +19,22 @@ _TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
 _TRACEPARENT = TRACEPARENT.encode()
 
 
+def _attributes(scope: Scope, method: str) -> dict[str, str | int]:
+    """A request span's attributes at its start (OpenTelemetry's HTTP server conventions)."""
+    attributes: dict[str, str | int] = {
+        "http.request.method": method,
+        "url.path": scope["path"],
+        "url.scheme": scope.get("scheme", "http"),
+        "network.protocol.version": scope.get("http_version", "1.1"),
+    }
+    client, server = scope.get("client"), scope.get("server")
+    if client:
+        attributes["client.address"], attributes["client.port"] = client[0], client[1]
+    if server:
+        attributes["server.address"], attributes["server.port"] = server[0], server[1]
+    return attributes
+
+
 class Traced:
     """Wrap an HTTP app so that each request is one SERVER span (see the module docstring)."""
 
@@ -36,18 +52,9 @@ class Traced:
             if k in _TRACE_HEADERS
         }
         method: str = scope["method"]
-        attributes: dict[str, str | int] = {
-            "http.request.method": method,
-            "url.path": scope["path"],
-            "url.scheme": scope.get("scheme", "http"),
-            "network.protocol.version": scope.get("http_version", "1.1"),
-        }
-        client, server = scope.get("client"), scope.get("server")
-        if client:
-            attributes["client.address"], attributes["client.port"] = client[0], client[1]
-        if server:
-            attributes["server.address"], attributes["server.port"] = server[0], server[1]
-        trace = self.tracing.start(method, headers, attributes)
+        trace = None if headers else self.tracing.unsampled_root()
+        if trace is None:
+            trace = self.tracing.start(method, headers, _attributes(scope, method))
         traceparent = self.tracing.traceparent(trace).encode()
         status = 500  # what the HTTP server answers when the app raises before answering
 
@@ -61,6 +68,10 @@ class Traced:
                 }
             await send(message)
 
+        if not trace.recording:  # nothing to end or name: only the traceparent goes back
+            with opened(trace):
+                await self.app(scope, receive, traced_send)
+            return
         with opened(trace):
             try:
                 await self.app(scope, receive, traced_send)

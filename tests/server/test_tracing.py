@@ -265,6 +265,52 @@ def test_otel_variables_choose_exporter_sampler_and_service(store: Path) -> None
     assert not [s for s in receiver.spans if s.trace_id == orphan_id]
 
 
+def test_the_sampling_ratio_samples_roots_and_follows_clients(store: Path) -> None:
+    """`--tracing-sampling-ratio` samples requests without a traceparent at that ratio (the ones
+    left out are never handed to the SDK, and still get a traceparent of their own), and a
+    client's sampled parent is followed whatever the ratio."""
+    receiver = GrpcReceiver()
+    proc = ServerProcess(
+        store, "--workers", "1", "--tracing", "--tracing-endpoint", receiver.endpoint,
+        "--tracing-protocol", "grpc", "--tracing-sampling-ratio", "0.25", env=FAST_EXPORT,
+    ).start()  # fmt: skip
+    try:
+        with httpx.Client() as client:
+            roots = [
+                client.post(f"{proc.url}/predictions/tiny", json=ROW).headers["traceparent"]
+                for _ in range(160)
+            ]
+            followed = []
+            for _ in range(8):
+                header, trace_id, _ = new_parent()
+                reply = client.post(
+                    f"{proc.url}/predictions/tiny", json=ROW, headers={"traceparent": header}
+                )
+                assert sampled(reply.headers["traceparent"])
+                followed.append(trace_id)
+        request = service_pb2.ModelInferRequest(model_name="tiny")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 8]).contents.fp32_contents.extend(
+            ROW
+        )
+        with grpc.insecure_channel(proc.grpc) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for _ in range(40):
+                _, call = stub.ModelInfer.with_call(request, timeout=30)
+                roots.append(dict(call.initial_metadata())["traceparent"])
+        ids = [header.split("-")[1] for header in roots]
+        assert len(set(ids)) == len(ids)  # each root a trace of its own, sampled or not
+        kept = [i for i, header in zip(ids, roots, strict=True) if sampled(header)]
+        # 200 roots at 0.25: 50 expected, a standard deviation of 6.1.
+        assert 20 <= len(kept) <= 80, len(kept)
+        for trace_id in [*followed, *kept]:
+            receiver.trace(trace_id, TREE_SPANS)
+        left_out = set(ids) - set(kept)
+        assert not [s for s in receiver.spans if s.trace_id in left_out]
+    finally:
+        proc.stop()
+        receiver.stop()
+
+
 def test_tracing_is_off_by_default(server: ServerProcess) -> None:
     reply = httpx.post(f"{server.url}/predictions/tiny", json=ROW)
     assert reply.status_code == 200 and "traceparent" not in reply.headers
