@@ -5,7 +5,9 @@
 
 In one run, every server up at once and loaded in turn (wrk, 32 connections, scenario A's MLP
 with the scenarios' settings): the raw-ASGI + orjson echo of the same body (the ceiling,
-`baselines/raw_asgi.py`), the bare FastAPI endpoint (scenario A's baseline), and scriptserve on
+`baselines/raw_asgi.py`), the same work on httptools without ASGI
+(`baselines/httptools_echo.py`, what a protocol of scriptserve's own could at best cost), the
+bare FastAPI endpoint (scenario A's baseline), and scriptserve on
 three routes for the same row: TorchServe's `/predictions/mlp` with the JSON array, OIP's
 `/v2/models/mlp/infer` with the tensor as JSON, and the same with OIP's binary tensor extension.
 With `--before`, a second scriptserve from another tree's python serves the same three routes.
@@ -31,11 +33,12 @@ import numpy as np
 from benchmarks import ab, models, report
 from benchmarks.loadgen import LoadResult, run_wrk, wrk_path
 from benchmarks.scenarios import median
-from benchmarks.servers import ServerProcess, uvicorn_app
+from benchmarks.servers import ServerProcess, free_port, uvicorn_app
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _FIGURES = ("rps", "p50_ms", "p99_ms")
+_BASELINES = ("below ASGI", "ceiling", "bare FastAPI")
 _BARE = "benchmarks.baselines.bare_fastapi:app"
 
 
@@ -93,6 +96,7 @@ def summarise(runs: dict[str, list[LoadResult]], before: bool) -> list[str]:
         lines.append(f"{key:<40}{rps:>9.0f}{p50:>9.2f}{p99:>9.2f}")
     ts = runs["scriptserve torchserve"]
     lines += [
+        _line("raw-ASGI ceiling / below ASGI", _ratios(runs["ceiling"], runs["below ASGI"])),
         _line("scriptserve /predictions / raw-ASGI ceiling", _ratios(ts, runs["ceiling"]), 0.5),
         _line("scriptserve /predictions / bare FastAPI", _ratios(ts, runs["bare FastAPI"])),
         _line("OIP JSON / /predictions", _ratios(runs["scriptserve oip_json"], ts), 0.95),
@@ -133,7 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir = Path(tmp)
         model = models.build("mlp", workdir, workdir / "store")
         loads = routes(model, workdir)
+        below = free_port()
+        echo = [sys.executable, "-m", "benchmarks.baselines.httptools_echo", "--port", str(below)]
         starts: dict[str, ServerProcess] = {
+            "below ASGI": ServerProcess("httptools echo", echo, below, "/", {}),
             "ceiling": uvicorn_app("raw ASGI", "benchmarks.baselines.raw_asgi:app", {}),
             "bare FastAPI": uvicorn_app("bare FastAPI", _BARE, {}),
             "scriptserve": ab.server("scriptserve", sys.executable, workdir / "store", {}),
@@ -144,9 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             servers = {k: stack.enter_context(s) for k, s in starts.items()}
             plan = [
-                (key if key in ("ceiling", "bare FastAPI") else f"{key} {r.key}", s, r)
+                (key if key in _BASELINES else f"{key} {r.key}", s, r)
                 for key, s in servers.items()
-                for r in (loads[:1] if key in ("ceiling", "bare FastAPI") else loads)
+                for r in (loads[:1] if key in _BASELINES else loads)
             ]
             for _, s, r in plan:
                 run_wrk(s.url + r.path, 32, opts.warmup, 2, r.body, r.headers)

@@ -70,8 +70,9 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
+        output = self.output()
         self.stop()
-        raise TimeoutError(f"{self.label} not ready within {timeout_s:g} s:\n{self.output()}")
+        raise TimeoutError(f"{self.label} not ready within {timeout_s:g} s:\n{output}")
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process and its children so far."""
