@@ -7,8 +7,9 @@
   turn by `scriptserve serve` with the scenarios' settings (workers = CPU count, 1 intra-op
   thread, batching up to 32 with no delay) and loaded by wrk with 32 connections. Ratios
   (`.pt2` / TorchScript) are taken within each round; medians over rounds.
-- **int8**: the MLP as a dynamic-int8 `.pt2` (torchao's PT2E flow): archive size, in-process
-  latency at batch 1 and 32 against the fp32 `.pt2` (medians of alternating calls on one
+- **int8**: the MLP as a dynamic-int8 `.pt2` (torchao's PT2E flow) and as a static-int8 one
+  (ranges calibrated on 512 random rows): archive size, in-process latency at batch 1, 32 and
+  64 against the fp32 `.pt2` (medians of alternating calls on one
   thread, through the C ABI the server uses), served req/s against the fp32 `.pt2` (same
   settings, alternating), top-1 agreement on 1,000 random rows.
 - **Cold start**: process start (`python -m scriptserve serve`) to the first 200 of a
@@ -47,6 +48,8 @@ from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.archiver.pt2_check import PackageRunner
 
+BATCHES = (1, 32, 64)
+"""Batch sizes of the in-process int8 latencies (the target is at 32)."""
 RESULTS = Path(__file__).resolve().parent / "results" / "pt2.json"
 MAX_BATCH = 64
 """Rows the `.pt2` packages take at most (the server batches up to 32)."""
@@ -129,7 +132,7 @@ def int8_in_process(fp32: Path, int8: Path, workdir: Path, runs: int) -> dict[st
     b = PackageRunner(package_of(int8, workdir, "int8"), threads=1)
     rng = np.random.default_rng(0)
     found: dict[str, Any] = {}
-    for batch in (1, 32):
+    for batch in BATCHES:
         x = rng.standard_normal((batch, 512)).astype(np.float32)
         f, i = latency_ms(a, b, x, runs)
         found[f"latency_ms_batch{batch}"] = {"fp32": f, "int8": i, "ratio": f / i}
@@ -205,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             "mlp", stores["int8_a"], work, "--quantize", "dynamic-int8",
             "--validation-file", str(validation),
         )  # fmt: skip
+        static_mlp = pt2_archive(
+            "mlp", work / "static_a", work, "--quantize", "static-int8",
+            "--validation-file", str(validation),
+        )  # fmt: skip
         sizes = {k: v.stat().st_size for k, v in
                  {"torchscript_mlp": mlp.archive, "pt2_mlp": pt2_mlp, "int8_pt2_mlp": int8_mlp,
                   "torchscript_cnn": cnn.archive, "pt2_cnn": pt2_cnn}.items()}  # fmt: skip
@@ -233,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             rounds,
         )
         result["int8"] = int8
+        static = int8_in_process(pt2_mlp, static_mlp, work, 300 if args.quick else 2000)
+        static["size_ratio"] = sizes["pt2_mlp"] / static_mlp.stat().st_size
+        result["int8_static"] = static
 
         print("cold start", flush=True)
         body = mlp.body.read_bytes()
@@ -260,10 +270,16 @@ def show(r: dict[str, Any]) -> None:
               f" | .pt2/TorchScript {s['ratio']:.2f}x (per round "
               f"{', '.join(f'{x:.2f}' for x in s['ratio_per_round'])})")  # fmt: skip
     i = r["int8"]
-    for batch in (1, 32):
-        lat = i[f"latency_ms_batch{batch}"]
-        print(f"int8 batch {batch:<2}: fp32 {lat['fp32']:.3f} ms, int8 {lat['int8']:.3f} ms, "
-              f"{lat['ratio']:.2f}x faster (medians, 1 thread)")  # fmt: skip
+    for scheme, found in (("dynamic", i), ("static", r["int8_static"])):
+        for batch in BATCHES:
+            lat = found[f"latency_ms_batch{batch}"]
+            print(
+                f"{scheme} int8 batch {batch:<2}: fp32 {lat['fp32']:.3f} ms, int8 "
+                f"{lat['int8']:.3f} ms, {lat['ratio']:.2f}x faster (medians, 1 thread)"
+            )
+    static = r["int8_static"]
+    print(f"static int8: archive {static['size_ratio']:.2f}x smaller; top-1 agreement "
+          f"{static['top1_agreement']:.3f} (not served: scenario A's path bounds it)")  # fmt: skip
     s = i["served"]
     print(f"int8 served: fp32 {s['median_rps']['fp32']:.0f} r/s, int8 "
           f"{s['median_rps']['int8']:.0f} r/s, {s['ratio']:.2f}x; archive "
