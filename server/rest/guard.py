@@ -1,9 +1,10 @@
 """RequestGuard: the ASGI layer in front of each HTTP app that checks the key and bounds the body.
 
-It runs before routing, so it covers every route, the inference DirectRoutes included: a key
-check is one header lookup and a constant-time compare. The body limit counts the bytes
-`receive()` hands the app, so a lying or absent Content-Length (chunked) is caught as the bytes
-arrive, and nothing is buffered beyond what the app itself reads.
+It runs before routing, so it covers every route, the inference routes served below FastAPI
+(`hot_routes.HotRoutes`) and the DirectRoutes included: a key check is one header lookup and a
+constant-time compare. The body limit counts the bytes `receive()` hands the app, so a lying or
+absent Content-Length (chunked) is caught as the bytes arrive, and nothing is buffered beyond
+what the app itself reads.
 
 A client that goes away before sending its whole body is not the server's error: Starlette
 raises ClientDisconnect where the route reads the body, and the guard turns it into a debug line

@@ -150,8 +150,9 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Infe
         )
         return await predictions_answer(stream, request)
 
-    # The inference routes are DirectRoutes: they read their own path parameters and skip
-    # FastAPI's per-call machinery; they are still described in the OpenAPI document.
+    # The inference routes are DirectRoutes, described in the OpenAPI document; the server
+    # serves the requests of these four in front of FastAPI (`hot_routes.HotRoutes`, with
+    # `predict` and `infer` below), and FastAPI only when the app runs without that layer.
     # PUT as well as POST: TorchServe's `curl -T image.jpg .../predictions/NAME` sends a PUT.
     @_direct_post(app, "/predictions/{model_name}", "TorchServe", "model_name", methods=_PREDICT)
     async def predictions(request: Request) -> Response:
