@@ -19,10 +19,8 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import uvicorn
-from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from scriptserve.server import snapshot
 from scriptserve.server.access_log import AccessLog
@@ -34,18 +32,9 @@ from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.object_store import sync_store
 from scriptserve.server.registry import ModelRegistry, find_archives
 from scriptserve.server.repository import ModelRepository
-from scriptserve.server.rest.access import AccessLogged
+from scriptserve.server.rest.apps import http_apps
 from scriptserve.server.rest.connection_limits import ConnectionLimits, HttpConnections
-from scriptserve.server.rest.guard import guarded
-from scriptserve.server.rest.hot_routes import HotRoutes
-from scriptserve.server.rest.inference import create_inference_app
-from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_routes
-from scriptserve.server.rest.management import create_management_app
-from scriptserve.server.rest.metrics import create_metrics_app
-from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
-from scriptserve.server.rest.shared_address import SharedAddress
-from scriptserve.server.rest.tracing import Traced
-from scriptserve.server.security import AccessKeys, resolve_keys
+from scriptserve.server.security import resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
 from scriptserve.server.tracing import Tracing, TracingUnavailable
 
@@ -183,91 +172,6 @@ async def load_startup_models(
                 log.error("default version %s of model %s: %s", version, name, exc.message)
 
 
-def forwarded(app: Any) -> Any:
-    """`app` behind uvicorn's proxy-headers layer: the client's address and scheme from
-    X-Forwarded-For / X-Forwarded-Proto when the peer is a proxy on loopback (uvicorn's
-    default trust)."""
-    return ProxyHeadersMiddleware(app)
-
-
-def _http_apps(
-    settings: ServerSettings,
-    dataplane: DataPlane,
-    management: Management,
-    repository: ModelRepository,
-    keys: AccessKeys,
-    metrics: ServerMetrics,
-    access: AccessLog,
-    tracing: Tracing,
-) -> list[tuple[str, Any, str]]:
-    """The inference, management and metrics apps, each behind its guard (and the access log
-    and tracing when they are on), with the address it listens on."""
-    limit = settings.max_request_bytes
-    # Probes carry no key: liveness and readiness stay open and say nothing else.
-    probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
-    inference = create_inference_app(dataplane, settings)
-    add_kserve_v1_routes(inference.app, dataplane)
-    add_repository_routes(inference.app, repository)
-    # uvicorn's proxy-headers layer (the client's address and scheme from X-Forwarded-* when the
-    # peer is a loopback proxy) runs where something reads them: outside the access log and
-    # tracing when they are on, and in front of the FastAPI apps; the hot inference routes
-    # read neither.
-    hot_routes = HotRoutes(
-        forwarded(inference.app), inference.app.routes, inference.predict,
-        inference.infer,
-    )  # fmt: skip
-    apps: list[tuple[str, Any, str]] = [
-        (
-            "inference",
-            guarded(
-                hot_routes,
-                keys,
-                "inference",
-                limit,
-                *probes,
-                metrics=metrics,
-                # Triton's repository extension loads and unloads models: the management key.
-                management_paths=(REPOSITORY_PREFIX,),
-            ),
-            settings.inference_address,
-        ),
-        (
-            "management",
-            guarded(
-                forwarded(create_management_app(management, settings)),
-                keys,
-                "management",
-                limit,
-                metrics=metrics,
-            ),
-            settings.management_address,
-        ),
-        # Prometheus scrapes without a key; the metrics port binds loopback by default.
-        (
-            "metrics",
-            guarded(create_metrics_app(metrics), keys, "inference", limit, "/metrics"),
-            settings.metrics_address,
-        ),
-    ]
-    if tracing.enabled:  # outside the guard: refused requests are traced too
-        apps = [
-            (what, Traced(app, tracing) if what != "metrics" else app, address)
-            for what, app, address in apps
-        ]
-    if access.enabled:  # an ASGI layer costs every request: only when there is a log to write
-        apps = [
-            (what, AccessLogged(app, access) if what != "metrics" else app, address)
-            for what, app, address in apps
-        ]
-    if access.enabled or tracing.enabled:
-        apps = [(what, forwarded(app), address) for what, app, address in apps]
-    if settings.inference_address == settings.management_address:  # TorchServe allows it
-        (_, inference_app, address), (_, management_app, _), metrics_app = apps
-        shared = SharedAddress(inference_app, management_app)
-        apps = [("inference and management", shared, address), metrics_app]
-    return apps
-
-
 def start_tracing(settings: ServerSettings) -> Tracing:
     """The tracer from the settings (and OTEL_* variables); StartupError when it cannot be."""
     try:
@@ -303,7 +207,7 @@ async def serve(settings: ServerSettings) -> int:
     repository = ModelRepository(management)
     access = AccessLog(settings.access_log, settings.access_log_format)
     tracing = start_tracing(settings)
-    apps = _http_apps(settings, dataplane, management, repository, keys, metrics, access, tracing)
+    apps = http_apps(settings, dataplane, management, repository, keys, metrics, access, tracing)
     sockets = [bind(address) for _, _, address in apps]
     connections = HttpConnections(ConnectionLimits.from_settings(settings))
     servers = []
@@ -315,7 +219,7 @@ async def serve(settings: ServerSettings) -> int:
             log_config=None,
             access_log=False,
             lifespan="off",
-            proxy_headers=False,  # installed by `_http_apps` where it is needed
+            proxy_headers=False,  # installed by `rest.apps.http_apps` where it is needed
             # `drain` has waited for the connections already: this is only for the last writes.
             timeout_graceful_shutdown=1,
             backlog=2048,
