@@ -208,13 +208,13 @@ async def serve(settings: ServerSettings) -> int:
     access = AccessLog(settings.access_log, settings.access_log_format)
     tracing = start_tracing(settings)
     apps = http_apps(settings, dataplane, management, repository, keys, metrics, access, tracing)
-    sockets = [bind(address) for _, _, address in apps]
+    sockets = [bind(served.address) for served in apps]
     connections = HttpConnections(ConnectionLimits.from_settings(settings))
     servers = []
-    for _, app, _ in apps:
+    for served in apps:
         config = uvicorn.Config(
-            app,
-            http=connections.protocol_class(),
+            served.app,
+            http=connections.protocol_class(served.protocol_routes),
             ws="none",
             log_config=None,
             access_log=False,
@@ -233,9 +233,9 @@ async def serve(settings: ServerSettings) -> int:
         asyncio.create_task(s.serve(sockets=[sock]))
         for s, sock in zip(servers, sockets, strict=True)
     ]
-    for (what, _, _), sock in zip(apps, sockets, strict=True):
+    for served, sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
-        log.info("%s API listening on http://%s:%d", what, host, port)
+        log.info("%s API listening on http://%s:%d", served.name, host, port)
     grpc_servers = GrpcServers(dataplane, management, settings, keys, repository, tracing)
     try:
         grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)

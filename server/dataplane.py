@@ -148,14 +148,15 @@ class DataPlane(DescribesModels):
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[Served] = loop.create_future()
+        mv: ModelVersion | None = None
         try:
             mv = self._serving(name, version)
             job, timer = self._enqueue(mv, decoded(mv, request), timeout_s)
         except ServingError as exc:
             outcome.set_exception(exc)
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(*self._unknown(name), protocol, exc.status, elapsed)
+            self._refused(name, mv, protocol, exc, started)
             return outcome
+        served_mv = mv
         self._enter(mv)
         note_answered_when(job.future)
 
@@ -163,7 +164,7 @@ class DataPlane(DescribesModels):
             error = future.exception()
             if error is None:
                 try:
-                    served = served_by(mv, future.result(), job.request.outputs)
+                    served = served_by(served_mv, future.result(), job.request.outputs)
                 except ServingError as exc:
                     error = exc
                 else:
@@ -249,6 +250,19 @@ class DataPlane(DescribesModels):
             labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
             self.metrics.observe_request(*labels, protocol, status, time.perf_counter() - started)
 
+    def _refused(
+        self,
+        name: str,
+        mv: ModelVersion | None,
+        protocol: str,
+        error: ServingError,
+        started: float,
+    ) -> None:
+        """Count a request refused before it was queued, under its model version once that is
+        known."""
+        labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
+        self.metrics.observe_request(*labels, protocol, error.status, time.perf_counter() - started)
+
     def _unknown(self, name: str) -> tuple[str, str]:
         # Clients choose these names: a typo must not mint a new time series.
         return (name if name in self.registry.names() else UNKNOWN_LABEL), UNKNOWN_LABEL
@@ -266,12 +280,12 @@ class DataPlane(DescribesModels):
         in one piece is a stream of one). Raises ServingError when it cannot be queued; the
         stream then raises what ended it early. The deadline covers the whole stream."""
         started = time.perf_counter()
+        mv: ModelVersion | None = None
         try:
             mv = self._serving(name, version, streaming=True)
             job, timer = self._enqueue(mv, decoded(mv, request), timeout_s, stream=True)
         except ServingError as exc:
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(*self._unknown(name), protocol, exc.status, elapsed)
+            self._refused(name, mv, protocol, exc, started)
             raise
         self._enter(mv)
         note_answered_when(job.future)

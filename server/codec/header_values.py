@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from scriptserve.server.errors import InvalidInput
+
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 
@@ -28,3 +30,19 @@ def positive_seconds(value: str) -> float | None:
         return None
     seconds = float(value)
     return seconds if seconds > 0 else None
+
+
+TIMEOUT_HEADER = "X-Request-Timeout"
+"""The header a client shortens its request's deadline with (HTTP; gRPC has its own)."""
+
+
+def request_timeout(value: str | None) -> float | None:
+    """Seconds from an `X-Request-Timeout` value (None when absent): it may shorten the
+    server's deadline, never lengthen it. Raises InvalidInput when it is not a positive
+    number."""
+    if value is None:
+        return None
+    seconds = positive_seconds(value)
+    if seconds is None:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds, e.g. 2.5")
+    return seconds

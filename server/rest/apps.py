@@ -4,7 +4,7 @@ tracing and uvicorn's proxy-headers layer where they are needed."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
@@ -21,6 +21,7 @@ from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_route
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
 from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
+from scriptserve.server.rest.protocol_routes import ProtocolRoutes
 from scriptserve.server.rest.shared_address import SharedAddress
 from scriptserve.server.rest.tracing import Traced
 from scriptserve.server.security import AccessKeys
@@ -35,6 +36,16 @@ def forwarded(app: Any) -> Any:
     return ProxyHeadersMiddleware(app)
 
 
+class HttpApp(NamedTuple):
+    """One HTTP server: what it serves, its ASGI app, its address, and the inference routes
+    its protocol answers itself (None: every request goes to the app)."""
+
+    name: str
+    app: Any
+    address: str
+    protocol_routes: ProtocolRoutes | None = None
+
+
 def http_apps(
     settings: ServerSettings,
     dataplane: DataPlane,
@@ -44,9 +55,11 @@ def http_apps(
     metrics: ServerMetrics,
     access: AccessLog,
     tracing: Tracing,
-) -> list[tuple[str, Any, str]]:
+) -> list[HttpApp]:
     """The inference, management and metrics apps, each behind its guard (and the access log
-    and tracing when they are on), with the address it listens on."""
+    and tracing when they are on), with the address it listens on; the inference server's
+    protocol answers the inference routes itself while neither the access log nor tracing
+    is on."""
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
     probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
@@ -106,8 +119,21 @@ def http_apps(
         ]
     if access.enabled or tracing.enabled:
         apps = [(what, forwarded(app), address) for what, app, address in apps]
+    protocol_routes = None
+    if not (access.enabled or tracing.enabled):
+        protocol_routes = ProtocolRoutes(dataplane, keys, limit, metrics)
     if settings.inference_address == settings.management_address:  # TorchServe allows it
-        (_, inference_app, address), (_, management_app, _), metrics_app = apps
+        (_, inference_app, address), (_, management_app, _), (_, metrics_app, metrics_address) = (
+            apps
+        )
         shared = SharedAddress(inference_app, management_app)
-        apps = [("inference and management", shared, address), metrics_app]
-    return apps
+        return [
+            HttpApp("inference and management", shared, address, protocol_routes),
+            HttpApp("metrics", metrics_app, metrics_address),
+        ]
+    (_, inference_app, address), management_server, metrics_server = apps
+    return [
+        HttpApp("inference", inference_app, address, protocol_routes),
+        HttpApp(*management_server),
+        HttpApp(*metrics_server),
+    ]

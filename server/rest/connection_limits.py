@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scriptserve.server.rest.connections import LimitedHttpProtocol
+from scriptserve.server.rest.protocol_routes import InferenceHttpProtocol, ProtocolRoutes
 
 if TYPE_CHECKING:
     from scriptserve.server.settings import ServerSettings
@@ -85,9 +86,17 @@ class HttpConnections:
         self._refused = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
 
-    def protocol_class(self) -> type[LimitedHttpProtocol]:
-        """The protocol class to give uvicorn.Config as `http=`, bound to these connections."""
+    def protocol_class(self, routes: ProtocolRoutes | None = None) -> type[LimitedHttpProtocol]:
+        """The protocol class to give uvicorn.Config as `http=`, bound to these connections;
+        with `routes`, one that answers the inference routes itself (`protocol_routes`)."""
         connections = self
+        if routes is not None:
+
+            class BoundInferenceProtocol(InferenceHttpProtocol):
+                pool = connections
+
+            BoundInferenceProtocol.routes = routes
+            return BoundInferenceProtocol
 
         class BoundHttpProtocol(LimitedHttpProtocol):
             pool = connections

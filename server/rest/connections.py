@@ -175,10 +175,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_left = None
         self._in_body = True
         self.requests += 1
-        super().on_headers_complete()
+        self._begin_request()
         cycle = self.cycle
         if self.pool.draining and cycle is not None and not cycle.response_started:
             cycle.keep_alive = False
+
+    def _begin_request(self) -> None:
+        """Start the request whose head was just read: uvicorn's ASGI cycle."""
+        super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         if self._in_body:

@@ -37,8 +37,39 @@ Endpoint = Callable[[Request, str, str | None], Awaitable[Response]]
 
 PREDICTIONS = "/predictions/"
 MODELS = "/v2/models/"
-INFER = "/infer"
+INFER_SUFFIX = "/infer"
 _PREDICT_METHODS = frozenset(("POST", "PUT"))
+
+
+PREDICT, PREDICT_VERSION, INFER, INFER_VERSION = range(4)
+"""The hot routes, in the order of `ROUTES`."""
+ROUTES = (
+    "/predictions/{model_name}",
+    "/predictions/{model_name}/{version}",
+    "/v2/models/{model_name}/infer",
+    "/v2/models/{model_name}/versions/{version}/infer",
+)
+PREDICT_ROUTES = (PREDICT, PREDICT_VERSION)
+
+
+def hot_route(method: str, path: str) -> tuple[int, str, str | None] | None:
+    """Which hot route (`PREDICT`...), model name and version a request is for, else None."""
+    if path.startswith(PREDICTIONS):
+        if method not in _PREDICT_METHODS:
+            return None
+        parts = path[len(PREDICTIONS) :].split("/")
+        if len(parts) == 1 and parts[0]:
+            return PREDICT, parts[0], None
+        if len(parts) == 2 and parts[0] and parts[1]:
+            return PREDICT_VERSION, parts[0], parts[1]
+        return None
+    if method == "POST" and path.startswith(MODELS) and path.endswith(INFER_SUFFIX):
+        parts = path[len(MODELS) : -len(INFER_SUFFIX)].split("/")
+        if len(parts) == 1 and parts[0]:
+            return INFER, parts[0], None
+        if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+            return INFER_VERSION, parts[0], parts[2]
+    return None
 
 
 class HotRoutes:
@@ -52,31 +83,16 @@ class HotRoutes:
         self.predict = predict
         self.infer = infer
         by_path = {getattr(r, "path", None): r for r in routes}
-        self._routes = (
-            by_path["/predictions/{model_name}"],
-            by_path["/predictions/{model_name}/{version}"],
-            by_path["/v2/models/{model_name}/infer"],
-            by_path["/v2/models/{model_name}/versions/{version}/infer"],
-        )
+        self._routes = tuple(by_path[path] for path in ROUTES)
 
     def match(self, method: str, path: str) -> tuple[Endpoint, BaseRoute, str, str | None] | None:
         """The endpoint, route, model name and version of a hot route, else None."""
-        if path.startswith(PREDICTIONS):
-            if method not in _PREDICT_METHODS:
-                return None
-            parts = path[len(PREDICTIONS) :].split("/")
-            if len(parts) == 1 and parts[0]:
-                return self.predict, self._routes[0], parts[0], None
-            if len(parts) == 2 and parts[0] and parts[1]:
-                return self.predict, self._routes[1], parts[0], parts[1]
+        hot = hot_route(method, path)
+        if hot is None:
             return None
-        if method == "POST" and path.startswith(MODELS) and path.endswith(INFER):
-            parts = path[len(MODELS) : -len(INFER)].split("/")
-            if len(parts) == 1 and parts[0]:
-                return self.infer, self._routes[2], parts[0], None
-            if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
-                return self.infer, self._routes[3], parts[0], parts[2]
-        return None
+        route, name, version = hot
+        endpoint = self.predict if route in PREDICT_ROUTES else self.infer
+        return endpoint, self._routes[route], name, version
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hot = self.match(scope["method"], scope["path"]) if scope["type"] == "http" else None

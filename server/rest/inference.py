@@ -19,7 +19,7 @@ from starlette.routing import request_response as starlette_request_response
 from scriptserve import __version__
 from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.codec import generate, oip_json, torchserve
-from scriptserve.server.codec.header_values import positive_seconds
+from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
 from scriptserve.server.rest.errors import install_error_handlers
@@ -35,18 +35,9 @@ from scriptserve.server.settings import ServerSettings
 _JSON = "application/json"
 
 
-TIMEOUT_HEADER = "X-Request-Timeout"
-
-
 def client_timeout(request: Request) -> float | None:
     """Seconds from `X-Request-Timeout`: it may shorten the server's deadline, never lengthen it."""
-    value = request.headers.get(TIMEOUT_HEADER)
-    if value is None:
-        return None
-    seconds = positive_seconds(value)
-    if seconds is None:
-        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds, e.g. 2.5")
-    return seconds
+    return request_timeout(request.headers.get(TIMEOUT_HEADER))
 
 
 async def _predictions_request(request: Request, settings: ServerSettings) -> InferenceRequest:
