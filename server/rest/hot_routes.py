@@ -13,6 +13,10 @@ registered in the FastAPI app, so the OpenAPI document describes them.
 Errors are answered as the app's handlers answer them (`errors.error_body`), an unexpected one
 as a logged 500, and `scope["route"]` names the route template, as Starlette's router sets it,
 for the access log, tracing and the guard.
+
+By default the inference server's HTTP protocol answers these routes before any ASGI layer
+(`protocol_routes.py`, with `hot_route` below); they reach this layer while the access log or
+tracing is on, and for bodies the protocol leaves to Starlette (multipart forms).
 """
 
 from __future__ import annotations
