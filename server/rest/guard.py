@@ -1,8 +1,10 @@
 """RequestGuard: the ASGI layer in front of each HTTP app that checks the key and bounds the body.
 
-It runs before routing, so it covers every route, the inference routes served below FastAPI
-(`hot_routes.HotRoutes`) and the DirectRoutes included: a key check is one header lookup and a
-constant-time compare. The body limit counts the bytes `receive()` hands the app, so a lying or
+It runs before routing, so it covers every route of the ASGI app, the inference routes served
+below FastAPI (`hot_routes.HotRoutes`) and the DirectRoutes included: a key check is one header
+lookup and a constant-time compare. The inference routes the HTTP protocol answers itself
+(`protocol_routes.py`) never reach it; the protocol makes the same checks, with the same
+answers. The body limit counts the bytes `receive()` hands the app, so a lying or
 absent Content-Length (chunked) is caught as the bytes arrive, and nothing is buffered beyond
 what the app itself reads.
 
