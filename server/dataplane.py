@@ -131,8 +131,8 @@ class DataPlane(DescribesModels):
             status = cancelled_status(started, timeout_s)
             raise
         finally:
-            labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
-            self.metrics.observe_request(*labels, protocol, status, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(*self._labels(name, mv), protocol, status, elapsed)
 
     def submit(
         self,
@@ -148,15 +148,16 @@ class DataPlane(DescribesModels):
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[Served] = loop.create_future()
-        mv: ModelVersion | None = None
+        resolved: ModelVersion | None = None  # the metric labels of a refusal
         try:
-            mv = self._serving(name, version)
+            mv = resolved = self._serving(name, version)
             job, timer = self._enqueue(mv, decoded(mv, request), timeout_s)
         except ServingError as exc:
             outcome.set_exception(exc)
-            self._refused(name, mv, protocol, exc, started)
+            labels = self._labels(name, resolved)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(*labels, protocol, exc.status, elapsed)
             return outcome
-        served_mv = mv
         self._enter(mv)
         note_answered_when(job.future)
 
@@ -164,7 +165,7 @@ class DataPlane(DescribesModels):
             error = future.exception()
             if error is None:
                 try:
-                    served = served_by(served_mv, future.result(), job.request.outputs)
+                    served = served_by(mv, future.result(), job.request.outputs)
                 except ServingError as exc:
                     error = exc
                 else:
@@ -247,21 +248,12 @@ class DataPlane(DescribesModels):
                 if not job.future.done() and mv is not None:
                     mv.batcher.cancel(job)  # withdrawn: free the slot, leave the worker be
                     job.future.cancel()
-            labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
-            self.metrics.observe_request(*labels, protocol, status, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(*self._labels(name, mv), protocol, status, elapsed)
 
-    def _refused(
-        self,
-        name: str,
-        mv: ModelVersion | None,
-        protocol: str,
-        error: ServingError,
-        started: float,
-    ) -> None:
-        """Count a request refused before it was queued, under its model version once that is
-        known."""
-        labels = (mv.name, mv.version) if mv is not None else self._unknown(name)
-        self.metrics.observe_request(*labels, protocol, error.status, time.perf_counter() - started)
+    def _labels(self, name: str, mv: ModelVersion | None) -> tuple[str, str]:
+        """A request's metric labels: its model version once known."""
+        return (mv.name, mv.version) if mv is not None else self._unknown(name)
 
     def _unknown(self, name: str) -> tuple[str, str]:
         # Clients choose these names: a typo must not mint a new time series.
@@ -280,12 +272,14 @@ class DataPlane(DescribesModels):
         in one piece is a stream of one). Raises ServingError when it cannot be queued; the
         stream then raises what ended it early. The deadline covers the whole stream."""
         started = time.perf_counter()
-        mv: ModelVersion | None = None
+        resolved: ModelVersion | None = None  # the metric labels of a refusal
         try:
-            mv = self._serving(name, version, streaming=True)
+            mv = resolved = self._serving(name, version, streaming=True)
             job, timer = self._enqueue(mv, decoded(mv, request), timeout_s, stream=True)
         except ServingError as exc:
-            self._refused(name, mv, protocol, exc, started)
+            labels = self._labels(name, resolved)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(*labels, protocol, exc.status, elapsed)
             raise
         self._enter(mv)
         note_answered_when(job.future)
