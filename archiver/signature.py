@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from scriptserve.archiver import json_numbers
+
 # OIP datatype name <-> numpy dtype. BYTES tensors are numpy object arrays of bytes.
 _NUMPY_BY_DATATYPE: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
@@ -171,19 +173,43 @@ def arrays_from_json(
             raise SignatureError(f"unknown input {name!r}; the model's inputs are {known}")
         datatype = spec.datatype if spec else default_datatype
         try:
-            array = np.asarray(value, dtype=numpy_dtype(datatype))[np.newaxis, ...]
+            array = np.asarray(value, dtype=numpy_dtype(datatype))
         except (ValueError, TypeError) as exc:
             raise SignatureError(
                 f"input {name!r} is not a rectangular {datatype} array: {exc}"
             ) from None
-        if spec is not None and not spec.accepts_shape(array.shape):
-            want = [d for d in spec.shape[1:]]
-            raise SignatureError(
-                f"input {name!r} has shape {list(array.shape[1:])} per instance; "
-                f"the model expects {want} (-1 = any size)"
-            )
-        arrays[name] = array
+        arrays[name] = _instance(name, array, spec)
     missing = [t.name for t in signature.inputs if t.name not in arrays]
     if missing:
         raise SignatureError(f"missing input(s): {', '.join(missing)}")
     return arrays
+
+
+def arrays_from_text(text: bytes, signature: Signature) -> dict[str, np.ndarray] | None:
+    """`arrays_from_json` of a JSON text that is one array of numbers for a model with one input,
+    read without a Python number per element (`json_numbers`); None for any other text, which
+    the caller parses and hands to `arrays_from_json` (whose messages say what is wrong).
+
+    >>> arrays_from_text(b"[1.0, 2.0]", Signature((TensorSpec("x", "FP32", (-1, 2)),)))["x"].shape
+    (1, 2)
+    """
+    if len(signature.inputs) > 1:
+        return None
+    spec = signature.inputs[0] if signature.inputs else None
+    array = json_numbers.array_from_text(text, numpy_dtype(spec.datatype if spec else "FP32"))
+    if array is None:
+        return None
+    name = spec.name if spec else "input0"
+    return {name: _instance(name, array, spec)}
+
+
+def _instance(name: str, array: np.ndarray, spec: TensorSpec | None) -> np.ndarray:
+    """One instance of an input as a batch of one, checked against its spec."""
+    array = array[np.newaxis, ...]
+    if spec is not None and not spec.accepts_shape(array.shape):
+        want = [d for d in spec.shape[1:]]
+        raise SignatureError(
+            f"input {name!r} has shape {list(array.shape[1:])} per instance; "
+            f"the model expects {want} (-1 = any size)"
+        )
+    return array

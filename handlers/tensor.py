@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json
+from scriptserve.archiver.signature import (
+    Signature,
+    SignatureError,
+    arrays_from_json,
+    arrays_from_text,
+)
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import (
     BaseHandler,
@@ -62,6 +67,9 @@ class TensorHandler(BaseHandler):
             return self._check_tensors(request.inputs), False
         if request.body is None:
             raise SignatureError("the request has no input tensors and no body")
+        arrays = arrays_from_text(request.body, self.signature)
+        if arrays is not None:
+            return self._bind_names(arrays), True
         try:
             data = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:

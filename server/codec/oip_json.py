@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from scriptserve.archiver import json_numbers
 from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.codec.header_values import non_negative_int
@@ -72,7 +73,8 @@ def decode_request(
     else:
         split = len(body)
     try:
-        doc = orjson.loads(body[:split])
+        # The inputs' `data` arrays are read into numpy by from_values, without Python floats.
+        doc = json_numbers.loads(body[:split], lazy_key="data")
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:

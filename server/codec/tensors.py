@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from scriptserve.archiver.json_numbers import JsonArray
 from scriptserve.archiver.signature import Signature, SignatureError, datatype_of, numpy_dtype
 from scriptserve.server.errors import InvalidInput
 
@@ -103,9 +104,13 @@ def _element(name: str, value: Any) -> bytes:
 
 
 def from_values(name: str, datatype: str, shape: list[int], values: Any) -> np.ndarray:
-    """One input from its values (nested JSON lists or a flat sequence), in row-major order."""
+    """One input from its values (nested JSON lists, a JsonArray or a flat sequence), in
+    row-major order."""
     dtype = tensor_dtype(name, datatype)
     count = math.prod(shape)
+    if isinstance(values, JsonArray):
+        array = values.to_numpy(dtype)
+        values = values.to_list() if array is None else array
     try:
         if datatype == "BYTES":
             items = [_element(name, v) for v in _flat(values)]
