@@ -26,7 +26,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +108,25 @@ def request_id_for(own: str) -> str:
     if record.request_id is None:
         record.request_id = own
     return record.request_id
+
+
+def request_namer() -> Callable[[str], str]:
+    """`request_id_for` as it stands in this context, to be applied later and from any thread:
+    what names a request that is decoded off the event loop (its own id is known only then)."""
+    record = _current.get()
+    if record is None:
+        return _own_id
+
+    def name(own: str) -> str:
+        if record.request_id is None:
+            record.request_id = own
+        return record.request_id
+
+    return name
+
+
+def _own_id(own: str) -> str:
+    return own
 
 
 def current_request_id() -> str | None:

@@ -15,12 +15,17 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
-from scriptserve.server.errors import ModelNotReady, QueueFull
+from scriptserve.server.errors import ModelNotReady, QueueFull, ServingError
 from scriptserve.server.streaming import PartStream
+
+Decode = Callable[[], InferenceRequest]
+"""Decodes a request as its client sent it, from a worker's thread; raises the ServingError that
+answers it when it cannot (admission.Deferred)."""
 
 
 @dataclass(eq=False)
@@ -28,9 +33,13 @@ class Job:
     """One request waiting for, or being run by, a worker."""
 
     request: InferenceRequest
+    """The request; while `decode` is set, an empty stand-in for it."""
     future: asyncio.Future[InferenceResponse]
     deadline: float
     """time.monotonic() after which the request is not worth running."""
+    decode: Decode | None = None
+    """Set for a request queued as it was sent: the worker that takes it decodes it
+    (`decode_jobs`) before its batch runs."""
     enqueued: float = field(default_factory=time.monotonic)
     dequeued: float = 0.0
     cancelled: bool = False
@@ -61,6 +70,24 @@ class BatchRecord:
 class Batch:
     jobs: list[Job]
     expired: list[Job]
+
+
+def decode_jobs(jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, ServingError]]]:
+    """From a worker's thread: decode the jobs' requests that were queued as sent. The jobs to
+    run, and those whose request could not be decoded, each with the error that answers it."""
+    runnable: list[Job] = []
+    failed: list[tuple[Job, ServingError]] = []
+    for job in jobs:
+        if job.decode is not None:
+            try:
+                job.request = job.decode()
+            except ServingError as exc:
+                failed.append((job, exc))
+                continue
+            finally:
+                job.decode = None
+        runnable.append(job)
+    return runnable, failed
 
 
 class DynamicBatcher:

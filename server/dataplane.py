@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.access_log import note_model
 from scriptserve.server.admission import (
+    Deferred,
     Request,
     Served,
     cancelled_status,
@@ -110,7 +111,7 @@ class DataPlane(DescribesModels):
         mv: ModelVersion | None = None
         try:
             mv = self._serving(name, version)
-            job, timer = self._enqueue(mv, decoded(mv, request), timeout_s)
+            job, timer = self._enqueue(mv, request, timeout_s)
             self._enter(mv)
             try:
                 response = await job.future
@@ -151,7 +152,7 @@ class DataPlane(DescribesModels):
         resolved: ModelVersion | None = None  # the metric labels of a refusal
         try:
             mv = resolved = self._serving(name, version)
-            job, timer = self._enqueue(mv, decoded(mv, request), timeout_s)
+            job, timer = self._enqueue(mv, request, timeout_s)
         except ServingError as exc:
             outcome.set_exception(exc)
             labels = self._labels(name, resolved)
@@ -275,7 +276,7 @@ class DataPlane(DescribesModels):
         resolved: ModelVersion | None = None  # the metric labels of a refusal
         try:
             mv = resolved = self._serving(name, version, streaming=True)
-            job, timer = self._enqueue(mv, decoded(mv, request), timeout_s, stream=True)
+            job, timer = self._enqueue(mv, request, timeout_s, stream=True)
         except ServingError as exc:
             labels = self._labels(name, resolved)
             elapsed = time.perf_counter() - started
@@ -341,25 +342,33 @@ class DataPlane(DescribesModels):
     def _enqueue(
         self,
         mv: ModelVersion,
-        request: InferenceRequest,
+        request: Request,
         timeout_s: float | None,
         stream: bool = False,
     ) -> tuple[Job, asyncio.TimerHandle]:
         """Queue the request with its deadline (with a PartStream when the client takes its
-        answer in parts), and the timer that answers 504 at it."""
+        answer in parts), and the timer that answers 504 at it. A request given as the function
+        that decodes it is decoded by the worker that takes it (`admission.Deferred`)."""
         budget = mv.settings.response_timeout_s
         if timeout_s is not None:
             if timeout_s <= 0:
                 raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
         loop = asyncio.get_running_loop()
-        job = Job(request, loop.create_future(), deadline=time.monotonic() + budget)
+        deadline = time.monotonic() + budget
+        source: InferenceRequest | Deferred
+        if isinstance(request, InferenceRequest):
+            source = decoded(mv, request)
+            job = Job(source, loop.create_future(), deadline)
+        else:
+            source = Deferred(mv, request)
+            job = Job(InferenceRequest(), loop.create_future(), deadline, source)
         if stream:
-            outputs = request.outputs
+            # `source`, not the job: the job holds the stream, and a cycle would outlive it.
             job.stream = PartStream(
                 job.future,
                 self.settings.stream_max_unread_parts,
-                lambda response: served_by(mv, response, outputs),
+                lambda response: served_by(mv, response, source.outputs),
                 model=(mv.name, mv.version),
                 streaming=mv.streams,
             )

@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse, PartSink, StageTimes
-from scriptserve.server.batching import DynamicBatcher, Job
+from scriptserve.server.batching import DynamicBatcher, Job, decode_jobs
 from scriptserve.server.errors import (
     DeadlineExceeded,
     ModelNotReady,
@@ -361,12 +361,21 @@ class WorkerPool(Generic[S]):
         return JobParts([j.future for j in jobs], [j.stream for j in jobs], finish, self.model)
 
     def _run(self, slot: S, jobs: list[Job]) -> None:
-        self.metrics.observe_taken([job.dequeued - job.enqueued for job in jobs])
         slot.busy_since = time.monotonic()
         slot.state = WorkerState.BUSY
-        requests = [job.request for job in jobs]
         times = StageTimes()
         started = time.perf_counter()
+        jobs, undecodable = decode_jobs(jobs)
+        if undecodable:
+            # Refused as they would have been before queueing: no queue or compute time.
+            hand_back([job for job, _ in undecodable], [error for _, error in undecodable])
+        times.input_s = time.perf_counter() - started  # decoding is the batch's input too
+        if not jobs:
+            if slot.state is WorkerState.BUSY:
+                slot.state = WorkerState.READY
+            return
+        self.metrics.observe_taken([job.dequeued - job.enqueued for job in jobs])
+        requests = [job.request for job in jobs]
         record = traced(jobs, slot.id)
         capture = self.capture
         try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -152,6 +154,34 @@ async def test_the_model_is_checked_before_the_request_is_decoded(plane: Plane) 
     with pytest.raises(InvalidInput, match="not valid JSON"):
         await plane.dataplane.infer("tiny", "2.0", decode, protocol="test")
     assert decoded == [True]
+
+
+@pytest.mark.anyio
+async def test_a_request_sent_as_its_decoder_is_decoded_by_the_worker(plane: Plane) -> None:
+    # The event loop only queues it; the worker's thread decodes it and checks its signature.
+    # One that cannot be decoded is answered 400 alone, beside the requests batched with it.
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    def decode(good: bool) -> InferenceRequest:
+        threads.append(threading.get_ident())
+        if not good:
+            raise ValueError("not a tensor")
+        return _request(["output0"])
+
+    dp = plane.dataplane
+    calls = [
+        dp.infer("tiny", "1.0", functools.partial(decode, good), protocol="test")
+        for good in (True, True, False, True)
+    ]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert len(threads) == 4 and loop_thread not in threads
+    bad = outcomes[2]
+    assert isinstance(bad, InvalidInput) and "could not be decoded (ValueError)" in bad.message
+    for served in outcomes[:2] + outcomes[3:]:
+        assert isinstance(served, Served)
+        assert np.allclose(served.outputs[0][1], reference_output(X), atol=1e-5)
+    assert plane.requests(400) == 1 and plane.requests(200) == 3
 
 
 @pytest.mark.anyio
