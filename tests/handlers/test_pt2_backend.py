@@ -223,7 +223,10 @@ def calls_at_once(backend: Pt2Backend, threads: int, calls: int) -> Calls:
     start.wait()
     while any(t.is_alive() for t in pool):
         if all(inside):
-            states = [thread_state(tid) for tid in tids]
+            try:
+                states = [thread_state(tid) for tid in tids]
+            except FileNotFoundError:
+                continue  # a thread ended its last call and exited between the check and the read
             if all(inside):
                 seen.all_inside += 1
                 seen.all_runnable += all(state == "R" for state in states)
