@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import signal
 import socket
@@ -14,10 +15,33 @@ from pathlib import Path
 import httpx
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_PORTS = range(max(1024, _ephemeral_low() - 12000), _ephemeral_low())
+"""Ports below the range the kernel hands to outgoing connections: between picking a port and
+the server binding it, a client connection of the suite could otherwise take it as its own
+local port (a replica test once failed to start with "Address already in use")."""
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nothing listens on, never the same one twice in this process."""
+    while True:
+        port = random.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 class ServerProcess:
