@@ -30,6 +30,9 @@ import simdjson
 _FAILURES = (ValueError, TypeError, RuntimeError)
 """What pysimdjson raises for text it cannot parse or a buffer it cannot make (a UTF-8 error is
 a ValueError too)."""
+_MAX_RANK = 32
+"""Deepest nesting read here (numpy's own limit before 2.0): a deeper text is left to the
+general path, which refuses it, rather than walked by recursion."""
 _BufferType = Literal["d", "i", "u"]
 _BUFFER_TYPES: dict[str, _BufferType] = {"f": "d", "i": "i", "u": "u"}
 """numpy dtype kind -> pysimdjson's buffer element: doubles, int64, uint64."""
@@ -88,6 +91,8 @@ def loads(text: bytes, lazy_key: str) -> Any:
         value = walk.python(document, None)
     except _RepeatedKey:
         return orjson.loads(text)  # orjson keeps a repeated key's last value
+    except RecursionError:
+        return orjson.loads(text)  # nested deeper than Python recurses: orjson's answer
     if text.count(b"[") != walk.arrays:
         # An array nested where a lazy array's shape has numbers (or a "[" inside a string):
         # the lazy arrays are read the general way.
@@ -151,9 +156,11 @@ def _shape(array: simdjson.Array) -> tuple[int, ...] | None:
     """The shape of a rectangular nesting of arrays, from its first elements down, when every
     array above the innermost level has the lengths it says; None otherwise. That the innermost
     arrays hold numbers only is for the buffer and the count of `[` to show."""
-    dims = []
+    dims: list[int] = []
     node: Any = array
     while isinstance(node, simdjson.Array):
+        if len(dims) == _MAX_RANK:
+            return None
         dims.append(len(node))
         if not dims[-1]:
             break

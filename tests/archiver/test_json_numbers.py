@@ -205,3 +205,12 @@ def test_arrays_from_text_is_arrays_from_json_for_one_input() -> None:
         arrays_from_text(b"[1, 2]", signature)
     two = Signature((TensorSpec("a", "FP32", (-1, 2)), TensorSpec("b", "FP32", (-1, 2))))
     assert arrays_from_text(text, two) is None  # the general path names the inputs
+
+
+def test_deep_nesting_is_left_to_the_general_path() -> None:
+    deep = b"[" * 900 + b"1" + b"]" * 900  # within simdjson's depth, beyond any tensor's rank
+    assert array_from_text(deep, np.dtype("float32")) is None
+    lazy = loads(b'{"data": ' + deep + b"}", lazy_key="data")["data"]
+    assert lazy.to_numpy(np.dtype("float32")) is None
+    nested = b'{"p": ' + b'{"p": ' * 900 + b"1" + b"}" * 901
+    assert loads(nested, lazy_key="data") == orjson.loads(nested)
