@@ -12,6 +12,7 @@ read when the job is queued.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +106,21 @@ class Deferred:
     def outputs(self) -> list[str] | None:
         """The outputs the decoded request asks for (what `served_by` selects)."""
         return self._outputs
+
+
+def admitted(
+    mv: ModelVersion,
+    request: Request,
+    future: asyncio.Future[InferenceResponse],
+    deadline: float,
+) -> tuple[Job, InferenceRequest | Deferred]:
+    """The job that queues `request`, and where the outputs it asks for are read once it is
+    decoded: the request itself, checked now, or its `Deferred` decoding by the worker."""
+    if isinstance(request, InferenceRequest):
+        checked = decoded(mv, request)
+        return Job(checked, future, deadline), checked
+    deferred = Deferred(mv, request)
+    return Job(InferenceRequest(), future, deadline, deferred), deferred
 
 
 def _checked(

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.access_log import note_model
 from scriptserve.server.admission import (
-    Deferred,
     Request,
     Served,
+    admitted,
     cancelled_status,
     decode_checked,
     decoded,
@@ -348,21 +348,14 @@ class DataPlane(DescribesModels):
     ) -> tuple[Job, asyncio.TimerHandle]:
         """Queue the request with its deadline (with a PartStream when the client takes its
         answer in parts), and the timer that answers 504 at it. A request given as the function
-        that decodes it is decoded by the worker that takes it (`admission.Deferred`)."""
+        that decodes it is decoded by the worker that takes it (`admission.admitted`)."""
         budget = mv.settings.response_timeout_s
         if timeout_s is not None:
             if timeout_s <= 0:
                 raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + budget
-        source: InferenceRequest | Deferred
-        if isinstance(request, InferenceRequest):
-            source = decoded(mv, request)
-            job = Job(source, loop.create_future(), deadline)
-        else:
-            source = Deferred(mv, request)
-            job = Job(InferenceRequest(), loop.create_future(), deadline, source)
+        job, source = admitted(mv, request, loop.create_future(), time.monotonic() + budget)
         if stream:
             # `source`, not the job: the job holds the stream, and a cycle would outlive it.
             job.stream = PartStream(
