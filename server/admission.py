@@ -5,8 +5,8 @@ gave it (`Served`).
 
 A request given as the function that decodes it from the wire is decoded off the event loop,
 by the worker thread that takes its job (`Deferred`): the event loop is the one thread every
-request passes through, and decoding a JSON tensor there cost it a third of its time on OIP's
-JSON route. What the decoding needs from the loop's context (the access log's request id) is
+request passes through, and decoding a JSON tensor there was a third of its GIL-held samples on
+OIP's JSON route. What the decoding needs from the loop's context (the access log's request id) is
 read when the job is queued.
 """
 
