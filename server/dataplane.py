@@ -40,6 +40,7 @@ from scriptserve.server.errors import (
     ServingError,
     error_for_status,
 )
+from scriptserve.server.inflight import InFlight
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.settings import ServerSettings
@@ -69,19 +70,16 @@ class DataPlane(DescribesModels):
         on open connections is served until `refusing`."""
         self.refusing = False
         """No new request is accepted (answered 503: retry on another replica)."""
-        self._inflight: dict[tuple[str, str], int] = {}
-        """Requests submitted and not yet answered, per (model, version)."""
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._inflight = InFlight()
 
     # -- health and metadata -----------------------------------------------------------------
     @property
     def inflight(self) -> int:
         """Requests accepted for inference and not yet answered, across every model."""
-        return sum(self._inflight.values())
+        return self._inflight.total
 
     def inflight_of(self, name: str, version: str) -> int:
-        return self._inflight.get((name, version), 0)
+        return self._inflight.of(name, version)
 
     def live(self) -> bool:
         return True
@@ -105,35 +103,8 @@ class DataPlane(DescribesModels):
         timeout_s: float | None = None,
     ) -> Served:
         """Run one request, given as it is or as the function that decodes it (called once the
-        model is known to serve). Raises ServingError."""
-        started = time.perf_counter()
-        status = 500
-        mv: ModelVersion | None = None
-        try:
-            mv = self._serving(name, version)
-            job, timer = self._enqueue(mv, request, timeout_s)
-            self._enter(mv)
-            try:
-                response = await job.future
-            except asyncio.CancelledError:
-                mv.batcher.cancel(job)  # the client went away: free the slot, leave the worker be
-                raise
-            finally:
-                timer.cancel()
-                self._leave(mv)
-                note_answered()
-            served = served_by(mv, response, job.request.outputs)
-            status = 200
-            return served
-        except ServingError as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = cancelled_status(started, timeout_s)
-            raise
-        finally:
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(*self._labels(name, mv), protocol, status, elapsed)
+        model is known to serve). Raises ServingError; cancelled, it withdraws the request."""
+        return await self.submit(name, version, request, protocol=protocol, timeout_s=timeout_s)
 
     def submit(
         self,
@@ -144,22 +115,52 @@ class DataPlane(DescribesModels):
         protocol: str,
         timeout_s: float | None = None,
     ) -> asyncio.Future[Served]:
-        """`infer` without a coroutine per request, for streams of many: the answer (or its
-        ServingError) comes as the returned future's; cancelling it withdraws the request."""
+        """`respond` as a future: the answer (or its ServingError) comes as the returned
+        future's; cancelling it withdraws the request."""
+        outcome: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+
+        def reply(answer: Served | BaseException) -> None:
+            if outcome.done():
+                return
+            if isinstance(answer, Served):
+                outcome.set_result(answer)
+            else:
+                outcome.set_exception(answer)
+
+        try:
+            withdraw = self.respond(
+                name, version, request, reply, protocol=protocol, timeout_s=timeout_s
+            )
+        except ServingError as exc:
+            outcome.set_exception(exc)
+            return outcome
+        outcome.add_done_callback(lambda future: withdraw() if future.cancelled() else None)
+        return outcome
+
+    def respond(
+        self,
+        name: str,
+        version: str | None,
+        request: Request,
+        reply: Callable[[Served | BaseException], object],
+        *,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> Callable[[], object]:
+        """`infer` without a coroutine or a future per request, for transports that answer from
+        a callback: `reply` is called on the loop with the answer or the ServingError that ends
+        the request, from the one callback that also counts it (no future between them, so no
+        extra turn of the loop), unless the request is withdrawn first by calling the returned
+        function. Raises ServingError when the request cannot be queued."""
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        outcome: asyncio.Future[Served] = loop.create_future()
         resolved: ModelVersion | None = None  # the metric labels of a refusal
         try:
             mv = resolved = self._serving(name, version)
             job, timer = self._enqueue(mv, request, timeout_s)
         except ServingError as exc:
-            outcome.set_exception(exc)
-            labels = self._labels(name, resolved)
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(*labels, protocol, exc.status, elapsed)
-            return outcome
-        self._enter(mv)
+            self._refused(name, resolved, protocol, exc, started)
+            raise
+        self._inflight.enter(mv)
         note_answered_when(job.future)
 
         def answer(future: asyncio.Future[InferenceResponse]) -> int:
@@ -170,20 +171,13 @@ class DataPlane(DescribesModels):
                 except ServingError as exc:
                     error = exc
                 else:
-                    if not outcome.done():
-                        outcome.set_result(served)
+                    reply(served)
                     return 200
-            if not outcome.done():
-                outcome.set_exception(error)
+            reply(error)
             return getattr(error, "status", 500)
 
-        def withdrawn(future: asyncio.Future[Served]) -> None:
-            if future.cancelled():
-                job.future.cancel()
-
         self._track(mv, job, timer, protocol, started, timeout_s, answer)
-        outcome.add_done_callback(withdrawn)
-        return outcome
+        return job.future.cancel
 
     async def infer_many(
         self,
@@ -221,12 +215,12 @@ class DataPlane(DescribesModels):
                 )
             for request in requests:
                 queued.append(self._enqueue(mv, request, timeout_s))
-            self._enter(mv)
+            self._inflight.enter(mv)
             try:
                 futures = [job.future for job, _ in queued]
                 await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
             finally:
-                self._leave(mv)
+                self._inflight.leave(mv)
                 note_answered()
             for i, future in enumerate(futures):
                 error = future.exception() if future.done() else None
@@ -256,6 +250,18 @@ class DataPlane(DescribesModels):
         """A request's metric labels: its model version once known."""
         return (mv.name, mv.version) if mv is not None else self._unknown(name)
 
+    def _refused(
+        self,
+        name: str,
+        mv: ModelVersion | None,
+        protocol: str,
+        error: ServingError,
+        started: float,
+    ) -> None:
+        """Count a request refused before it was queued."""
+        elapsed = time.perf_counter() - started
+        self.metrics.observe_request(*self._labels(name, mv), protocol, error.status, elapsed)
+
     def _unknown(self, name: str) -> tuple[str, str]:
         # Clients choose these names: a typo must not mint a new time series.
         return (name if name in self.registry.names() else UNKNOWN_LABEL), UNKNOWN_LABEL
@@ -278,11 +284,9 @@ class DataPlane(DescribesModels):
             mv = resolved = self._serving(name, version, streaming=True)
             job, timer = self._enqueue(mv, request, timeout_s, stream=True)
         except ServingError as exc:
-            labels = self._labels(name, resolved)
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(*labels, protocol, exc.status, elapsed)
+            self._refused(name, resolved, protocol, exc, started)
             raise
-        self._enter(mv)
+        self._inflight.enter(mv)
         note_answered_when(job.future)
         self._track(mv, job, timer, protocol, started, timeout_s)
         assert job.stream is not None
@@ -304,7 +308,7 @@ class DataPlane(DescribesModels):
 
         def finished(future: asyncio.Future[InferenceResponse]) -> None:
             timer.cancel()
-            self._leave(mv)
+            self._inflight.leave(mv)
             if future.cancelled():
                 mv.batcher.cancel(job)  # the client went away: free its slot if still queued
                 status = cancelled_status(started, timeout_s)
@@ -369,30 +373,11 @@ class DataPlane(DescribesModels):
         note_queued(job)
         return job, loop.call_later(budget, expire, job, mv.batcher, budget)
 
-    def _enter(self, mv: ModelVersion) -> None:
-        key = (mv.name, mv.version)
-        self._inflight[key] = self._inflight.get(key, 0) + 1
-        self._idle.clear()
-
-    def _leave(self, mv: ModelVersion) -> None:
-        key = (mv.name, mv.version)
-        left = self._inflight[key] - 1
-        if left:
-            self._inflight[key] = left
-        else:
-            del self._inflight[key]
-            if not self._inflight:
-                self._idle.set()
-
     # -- shutdown ----------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait for the accepted ones; True if all were answered."""
         self.draining = self.refusing = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await self._inflight.wait_idle(timeout_s)
 
     async def close(self) -> None:
         """Stop taking traffic, let queues drain, stop every model."""

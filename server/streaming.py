@@ -57,7 +57,9 @@ class PartStream(Generic[T]):
         # loop; their difference is what waits unread.
         self._offered = 0
         self._taken = 0
-        future.add_done_callback(self._wake)
+        self._watching = False
+        """`_wake` is one of the future's callbacks: added when `next` first waits, not per
+        request (most answers come in one piece, taken from the future's own callback)."""
 
     @property
     def parts_sent(self) -> int:
@@ -112,6 +114,9 @@ class PartStream(Generic[T]):
                 self.ended = True
                 last = self.future.result()
                 return None if last.empty else self._answer(last)
+            if not self._watching:
+                self._watching = True
+                self.future.add_done_callback(self._wake)
             self._waiter = self._loop.create_future()
             await self._waiter
 

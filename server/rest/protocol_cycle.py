@@ -175,9 +175,9 @@ class ProtocolCycle(RequestResponseCycle):
                 )
             else:
                 wire = oip_json.OipBody(body, self.header_length, headers)
-                future = dataplane.submit(
-                    self.model_name, self.version, wire.decode, protocol="rest",
-                    timeout_s=timeout_s,
+                self._withdraw = dataplane.respond(
+                    self.model_name, self.version, wire.decode,
+                    functools.partial(self._inferred, wire), protocol="rest", timeout_s=timeout_s,
                 )  # fmt: skip
         except ServingError as exc:
             self._answer_error(exc)
@@ -189,9 +189,6 @@ class ProtocolCycle(RequestResponseCycle):
             self._withdraw = stream.close
             stream.on_part = functools.partial(self._parts_came, stream)
             stream.future.add_done_callback(functools.partial(self._predicted, stream))
-        else:
-            self._withdraw = future.cancel
-            future.add_done_callback(functools.partial(self._inferred, wire))
 
     def _gone(self) -> None:
         """The client went away: withdraw its request (the data plane frees its slot)."""
@@ -228,13 +225,15 @@ class ProtocolCycle(RequestResponseCycle):
         response = served.response
         self._answer(response.status, payload, content_type.encode("latin-1"), response.headers)
 
-    def _inferred(self, wire: oip_json.OipBody, future: asyncio.Future[Served]) -> None:
-        if self.response_complete or future.cancelled():
+    def _inferred(self, wire: oip_json.OipBody, answer: Served | BaseException) -> None:
+        """The data plane's reply: the answer, or the error that ended the request."""
+        if self.response_complete:
             return
         try:
-            served = future.result()
+            if not isinstance(answer, Served):
+                raise answer
             payload, header_length = wire.encode(
-                served.model_name, served.model_version, served.outputs
+                answer.model_name, answer.model_version, answer.outputs
             )
         except ServingError as exc:
             self._answer_error(exc)

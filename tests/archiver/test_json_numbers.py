@@ -180,6 +180,17 @@ def test_loads_reads_an_oip_envelope() -> None:
     assert array.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
+def test_loads_reads_a_text_without_the_key_as_orjson_does() -> None:
+    # An OIP binary request's JSON header: nothing to leave lazy, so no walk of simdjson's values.
+    header = b'{"inputs":[{"name":"x","shape":[1,2],"parameters":{"binary_data_size":8}}]}'
+    assert loads(header, lazy_key="data") == orjson.loads(header)
+    # The key written with an escape is the same key, read as a list for the general path.
+    escaped = loads(b'{"\\u0064ata": [1, 2]}', lazy_key="data")
+    assert escaped == {"data": [1, 2]}
+    with pytest.raises(orjson.JSONDecodeError):
+        loads(b'{"inputs": [', lazy_key="data")
+
+
 def test_loads_leaves_arrays_with_a_bracket_in_a_string_to_the_general_path() -> None:
     # The count of "[" that proves no array hides among the numbers cannot tell a string's.
     value = loads(b'{"name": "x[0]", "data": [1, 2]}', lazy_key="data")

@@ -1,0 +1,48 @@
+"""Requests accepted for inference and not yet answered, per model version: what the management
+API's describe shows, and what a draining server waits for before it stops."""
+
+from __future__ import annotations
+
+import asyncio
+
+from scriptserve.server.registry import ModelVersion
+
+
+class InFlight:
+    """The count of requests in flight per (model, version), and the moment it reaches zero."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def total(self) -> int:
+        """Requests in flight across every model."""
+        return sum(self._counts.values())
+
+    def of(self, name: str, version: str) -> int:
+        return self._counts.get((name, version), 0)
+
+    def enter(self, mv: ModelVersion) -> None:
+        key = (mv.name, mv.version)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        self._idle.clear()
+
+    def leave(self, mv: ModelVersion) -> None:
+        key = (mv.name, mv.version)
+        left = self._counts[key] - 1
+        if left:
+            self._counts[key] = left
+        else:
+            del self._counts[key]
+            if not self._counts:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight, at most `timeout_s`; True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
