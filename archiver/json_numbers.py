@@ -33,6 +33,8 @@ a ValueError too)."""
 _MAX_RANK = 32
 """Deepest nesting read here (numpy's own limit before 2.0): a deeper text is left to the
 general path, which refuses it, rather than walked by recursion."""
+_OBJECT = simdjson.Object
+_ARRAY = simdjson.Array
 _BufferType = Literal["d", "i", "u"]
 _BUFFER_TYPES: dict[str, _BufferType] = {"f": "d", "i": "i", "u": "u"}
 """numpy dtype kind -> pysimdjson's buffer element: doubles, int64, uint64."""
@@ -95,7 +97,7 @@ def loads(text: bytes, lazy_key: str) -> Any:
         return orjson.loads(text)  # raises, with orjson's message
     walk = _Walk(lazy_key)
     try:
-        value = walk.python(document, None)
+        value = walk.python(document)
     except _RepeatedKey:
         return orjson.loads(text)  # orjson keeps a repeated key's last value
     except RecursionError:
@@ -114,30 +116,57 @@ class _RepeatedKey(Exception):
 
 class _Walk:
     """simdjson's values as Python's, counting the arrays it meets: every `[` of a text whose
-    lazy arrays are rectangular arrays of numbers."""
+    lazy arrays are rectangular arrays of numbers. (A loop per container with the scalars
+    taken inline: 4.1 us for an OIP request's envelope, against 5.0 with a call per value.)"""
 
     def __init__(self, lazy_key: str) -> None:
         self.lazy_key = lazy_key
         self.arrays = 0
         self.lazy: list[JsonArray] = []
 
-    def python(self, value: Any, key: str | None) -> Any:
-        if isinstance(value, simdjson.Object):
-            # Looked up key by key: items() would convert the values, lazy arrays included.
-            keys = list(value)
-            if len(set(keys)) != len(keys):
-                raise _RepeatedKey
-            return {k: self.python(value[k], k) for k in keys}
-        if isinstance(value, simdjson.Array):
-            if key == self.lazy_key:
-                shape = _shape(value)
-                self.arrays += 1 if shape is None else _arrays_in(shape)
-                lazy = JsonArray(value, shape)
-                self.lazy.append(lazy)
-                return lazy
-            self.arrays += 1
-            return [self.python(item, None) for item in value]
+    def python(self, value: Any) -> Any:
+        kind = type(value)
+        if kind is _OBJECT:
+            return self._object(value)
+        if kind is _ARRAY:
+            return self._array(value, None)
         return value
+
+    def _object(self, value: simdjson.Object) -> dict[str, Any]:
+        # Looked up key by key: items() would convert the values, lazy arrays included.
+        keys = list(value)
+        if len(set(keys)) != len(keys):
+            raise _RepeatedKey
+        out: dict[str, Any] = {}
+        for key in keys:
+            item: Any = value[key]  # narrowed by `type(...) is`, which mypy does not follow
+            kind = type(item)
+            if kind is _OBJECT:
+                item = self._object(item)
+            elif kind is _ARRAY:
+                item = self._array(item, key)
+            out[key] = item
+        return out
+
+    def _array(self, value: simdjson.Array, key: str | None) -> Any:
+        if key == self.lazy_key:
+            shape = _shape(value)
+            self.arrays += 1 if shape is None else _arrays_in(shape)
+            lazy = JsonArray(value, shape)
+            self.lazy.append(lazy)
+            return lazy
+        self.arrays += 1
+        out: list[Any] = []
+        element: Any
+        for element in value:
+            kind = type(element)
+            if kind is _OBJECT:
+                out.append(self._object(element))
+            elif kind is _ARRAY:
+                out.append(self._array(element, None))
+            else:
+                out.append(element)
+        return out
 
 
 def _read(array: simdjson.Array, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:

@@ -95,12 +95,23 @@ class TensorSpec:
             raise SignatureError(f"tensor spec needs name, datatype and shape: {exc}") from None
 
 
+_ACCEPTED_KEPT = 256
+"""Accepted (name, dtype, shape) keys a signature remembers: a client choosing a new batch size
+per request cannot grow it further; the keys after these are checked in full each time."""
+
+
 @dataclass(frozen=True)
 class Signature:
     """Inputs and outputs of a model, in the order the model takes and returns them."""
 
     inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    _accepted: dict[tuple[str, np.dtype[Any], tuple[int, ...]], None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """(name, dtype, shape) of inputs `check_inputs` accepted, at most `_ACCEPTED_KEPT`: a
+    request is checked by the data plane and again by its handler, each check 2 us of the
+    GIL for one input, a lookup here 0.3."""
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -108,6 +119,11 @@ class Signature:
     def check_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Named arrays against the inputs: names, datatypes, ranks and fixed sizes (-1 is any
         size). Raises SignatureError naming the first difference."""
+        accepted = self._accepted
+        if len(arrays) == len(self.inputs) and all(
+            (name, array.dtype, array.shape) in accepted for name, array in arrays.items()
+        ):
+            return  # every input accepted before, and as many as the model takes: none missing
         for name, array in arrays.items():
             spec = self.input(name)
             if spec is None:
@@ -126,6 +142,9 @@ class Signature:
         missing = [t.name for t in self.inputs if t.name not in arrays]
         if missing:
             raise SignatureError(f"missing input(s): {', '.join(missing)}")
+        for name, array in arrays.items():
+            if len(accepted) < _ACCEPTED_KEPT:
+                accepted[(name, array.dtype, array.shape)] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {

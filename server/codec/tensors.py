@@ -44,6 +44,13 @@ every element must then arrive as bytes or values, so this bounds what numpy is 
 def check_shape(name: str, shape: Any) -> list[int]:
     """The shape as a list of non-negative integers within the bounds (a JSON `true` is not a
     dimension)."""
+    if type(shape) is list and len(shape) <= MAX_RANK:
+        # What JSON gives: checked without the ABC's isinstance and a generator per dimension.
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= MAX_DIMENSION:
+                break
+        else:
+            return shape
     if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     dims = list(shape)

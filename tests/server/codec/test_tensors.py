@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from scriptserve.archiver.signature import Signature, TensorSpec
+from scriptserve.archiver.signature import Signature, SignatureError, TensorSpec
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,
@@ -159,3 +159,25 @@ def test_tensor_requests_are_checked_against_the_signature(
     check_signature(
         "m", SIGNATURE, {"x": np.zeros((3, 8), np.float32), "m": np.zeros((3, 1), np.int64)}
     )
+
+
+def test_a_signature_remembers_what_it_accepted_and_still_refuses_the_rest() -> None:
+    signature = Signature((TensorSpec("x", "FP32", (-1, 8)), TensorSpec("m", "INT64", (-1, 1))))
+    good = {"x": np.zeros((2, 8), np.float32), "m": np.zeros((2, 1), np.int64)}
+    signature.check_inputs(good)
+    signature.check_inputs(good)  # remembered: the same (name, dtype, shape) twice
+    # Each input was accepted before, but one is missing, or one differs in a way not seen.
+    with pytest.raises(SignatureError, match=r"missing input\(s\): m"):
+        signature.check_inputs({"x": good["x"]})
+    with pytest.raises(SignatureError, match="has datatype FP64"):
+        signature.check_inputs({"x": np.zeros((2, 8), np.float64), "m": good["m"]})
+    with pytest.raises(SignatureError, match=r"has shape \[2, 7\]"):
+        signature.check_inputs({"x": np.zeros((2, 7), np.float32), "m": good["m"]})
+    # A client sending a new batch size each time cannot grow what is remembered without end.
+    for rows in range(1, 400):
+        signature.check_inputs(
+            {"x": np.zeros((rows, 8), np.float32), "m": np.zeros((rows, 1), np.int64)}
+        )
+    assert len(signature._accepted) <= 256
+    with pytest.raises(SignatureError, match=r"has shape \[399, 9\]"):
+        signature.check_inputs({"x": np.zeros((399, 9), np.float32), "m": np.zeros((399, 1))})
