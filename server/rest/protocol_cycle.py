@@ -39,6 +39,7 @@ _FRAMING = frozenset(("content-length", "transfer-encoding", "connection"))
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _JSON = b"application/json"
 _BINARY = b"application/octet-stream"
+_HEADER_LENGTH = oip_json.HEADER_LENGTH.lower().encode() + b": %d\r\n"
 
 
 class ProtocolCycle(RequestResponseCycle):
@@ -244,7 +245,7 @@ class ProtocolCycle(RequestResponseCycle):
         if header_length is None:
             self._answer(200, payload, _JSON)
         else:
-            self._answer(200, payload, _BINARY, {oip_json.HEADER_LENGTH: str(header_length)})
+            self._answer(200, payload, _BINARY, lines=_HEADER_LENGTH % header_length)
 
     # -- answers in parts (TorchServe's streaming handlers) ----------------------------------
     def _parts_came(self, stream: PartStream[Served]) -> None:
@@ -304,13 +305,20 @@ class ProtocolCycle(RequestResponseCycle):
 
     # -- writing ------------------------------------------------------------------------------
     def _head(
-        self, status: int, content_type: bytes, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        content_type: bytes,
+        headers: dict[str, str] | None = None,
+        lines: bytes = b"",
     ) -> bytes:
+        """The answer's head up to its framing; `headers` are a handler's own (checked here),
+        `lines` header lines the protocol writes itself."""
         self.response_started = True
         self.waiting_for_100_continue = False
         head = [STATUS_LINE[status]]
         for name, value in self.default_headers:
             head += [name, b": ", value, b"\r\n"]
+        head.append(lines)
         for key, text in (headers or {}).items():
             lower = key.lower()
             name, value = lower.encode("latin-1"), text.encode("latin-1")
@@ -331,11 +339,12 @@ class ProtocolCycle(RequestResponseCycle):
         payload: bytes,
         content_type: bytes,
         headers: dict[str, str] | None = None,
+        lines: bytes = b"",
     ) -> None:
         if self.response_complete:
             return
         try:
-            head = self._head(status, content_type, headers)
+            head = self._head(status, content_type, headers, lines)
         except ValueError:
             self.response_started = False
             self._unexpected()
