@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -25,6 +24,12 @@ from pydantic_settings import (
 )
 
 from scriptserve.server.model_settings import WARMUP_RUNS, ModelSettings
+from scriptserve.server.settings_sources import (
+    SettingsError,
+    TorchServeConfigSource,
+    YamlFileSource,
+    one_line,
+)
 
 __all__ = [
     "FlagAliases",
@@ -38,10 +43,6 @@ __all__ = [
 
 OBJECT_STORE_SCHEMES = ("s3", "gs")
 """URL schemes of object storage (server/object_store.py)."""
-
-
-class SettingsError(ValueError):
-    """Settings that cannot be used; the message names each bad setting, on one line."""
 
 
 class FlagAliases:
@@ -62,64 +63,6 @@ def parse_address(value: str) -> tuple[str, int]:
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"address {value!r}: port must be 0..65535")
     return host.strip("[]"), int(port)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
-        mark = exc.problem_mark
-        return f"{exc.problem} (line {mark.line + 1})" if mark else exc.problem
-    return " ".join(str(exc).split())
-
-
-class _YamlFileSource(PydanticBaseSettingsSource):
-    """Values from the YAML file named by the `config_file` init argument (safe_load only)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], init: InitSettingsSource) -> None:
-        super().__init__(settings_cls)
-        self._path = init.init_kwargs.get("config_file")
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # unused: __call__ returns the whole mapping
-
-    def __call__(self) -> dict[str, Any]:
-        if not self._path:
-            return {}
-        path = Path(self._path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise SettingsError(f"config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise SettingsError(f"config file {path}: {_yaml_problem(exc)}") from None
-        if data is None:
-            return {}
-        if not isinstance(data, dict):
-            raise SettingsError(f"config file {path} must hold a mapping of settings")
-        return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
-class _TorchServeConfigSource(PydanticBaseSettingsSource):
-    """Values from the TorchServe config.properties named by the `ts_config` init argument."""
-
-    def __init__(self, settings_cls: type[BaseSettings], init: InitSettingsSource) -> None:
-        super().__init__(settings_cls)
-        self._path = init.init_kwargs.get("ts_config")
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # unused: __call__ returns the whole mapping
-
-    def __call__(self) -> dict[str, Any]:
-        if not self._path:
-            return {}
-        from scriptserve.server.torchserve_config import (
-            TorchServeConfigError,
-            read_torchserve_config,
-        )
-
-        try:
-            return read_torchserve_config(Path(self._path), os.environ).settings
-        except TorchServeConfigError as exc:
-            raise SettingsError(str(exc)) from None
 
 
 class ServerSettings(BaseSettings):
@@ -418,8 +361,8 @@ class ServerSettings(BaseSettings):
         return (
             init_settings,
             env_settings,
-            _YamlFileSource(settings_cls, init_settings),
-            _TorchServeConfigSource(settings_cls, init_settings),
+            YamlFileSource(settings_cls, init_settings),
+            TorchServeConfigSource(settings_cls, init_settings),
         )
 
     def model_config_defaults(self, name: str, version: str) -> dict[str, Any]:
@@ -435,20 +378,6 @@ class ServerSettings(BaseSettings):
         return max(1, (os.cpu_count() or 1) // self.intra_op_threads)
 
 
-def _one_line(exc: ValidationError) -> str:
-    problems = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "extra_forbidden":
-            problem = "unknown setting"
-        else:
-            problem = error["msg"].removeprefix("Value error, ")
-            if error["type"] != "value_error":
-                problem += f" (got {error['input']!r})"
-        problems.append(f"{where}: {problem}" if where else problem)
-    return "; ".join(problems)
-
-
 def load_settings(config_file: Path | None = None, **overrides: Any) -> ServerSettings:
     """Build the settings tree; `overrides` (the command line) win over everything else.
 
@@ -461,4 +390,4 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> ServerSe
     try:
         return ServerSettings(config_file=config_file, **given)
     except ValidationError as exc:
-        raise SettingsError(_one_line(exc)) from None
+        raise SettingsError(one_line(exc)) from None
