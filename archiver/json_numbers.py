@@ -110,6 +110,18 @@ def loads(text: bytes, lazy_key: str) -> Any:
     return value
 
 
+def plain(value: Any) -> Any:
+    """A value from `loads` with its lazy arrays as the lists `orjson.loads` gives: for what
+    holds the lazy key but is not a tensor (an OIP request's parameters)."""
+    if isinstance(value, JsonArray):
+        return value.to_list()
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    return value
+
+
 class _RepeatedKey(Exception):
     """An object repeats a key: a lookup would give its first value, orjson gives the last."""
 

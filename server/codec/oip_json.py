@@ -90,6 +90,7 @@ def decode_request(
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
+    params = json_numbers.plain(params)  # a `data` array in them is the client's, as sent
     requested: dict[str, bool] = {}
     binary_default = bool(params.get("binary_data_output", False))
     for out in doc.get("outputs") or []:

@@ -104,3 +104,13 @@ def test_torchserve_payloads_and_health() -> None:
     assert (orjson.loads(payload), kind) == ([1.0, 1.0], "application/json")
     assert torchserve.health(True) == {"status": "Healthy"}
     assert torchserve.health(False) == {"status": "Unhealthy"}
+
+
+def test_parameters_holding_a_data_array_reach_the_handler_as_sent() -> None:
+    body = (
+        b'{"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1, 2]}], '
+        b'"parameters": {"data": [3, 4], "nested": {"data": [[5]]}}}'
+    )
+    request = oip_json.decode_request(body, None, {})
+    assert request.inference.parameters == {"data": [3, 4], "nested": {"data": [[5]]}}
+    assert request.inference.inputs["x"].tolist() == [1.0, 2.0]
