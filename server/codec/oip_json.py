@@ -125,8 +125,9 @@ def _from_envelope(body: bytes, headers: Mapping[str, str] | None) -> OipRequest
 
 def _remember(body: bytes, decoded: OipRequest) -> None:
     """Keep the envelope of a JSON request that `_from_envelope` can read again: its text has
-    one `"data"` (the key of its one input's numbers, a flat array) and no array after it, no
-    id and only scalar parameters."""
+    one `"data"`, the key of its one input's numbers (`"data"` followed by a colon is a key
+    wherever it appears in valid JSON: a string cannot hold an unescaped quote), those numbers
+    are a flat array (its first `]` ends it), and it has no id and only scalar parameters."""
     inputs = decoded.inference.inputs
     parameters = decoded.inference.parameters
     if decoded.id is not None or len(inputs) != 1 or body.count(b'"data"') != 1:
@@ -137,7 +138,7 @@ def _remember(body: bytes, decoded: OipRequest) -> None:
     start, end = span
     if (
         start + len(body) - end > _ENVELOPE_MAX_BYTES
-        or body.find(b"[", start + 1) >= 0  # an array inside the numbers', or after them
+        or body.find(b"[", start + 1, end) >= 0  # an array inside them: not flat
         or body[body.find(b'"data"') + 6 : start].strip() != b":"
         or not all(type(v) in _SCALARS for v in parameters.values())
     ):
