@@ -84,6 +84,8 @@ class _Envelope:
 
 
 _ENVELOPES: dict[bytes, _Envelope] = {}
+"""By the text before the numbers. Read and written by every worker thread that decodes: each
+lookup, store and clearing is one dict operation, atomic under the GIL."""
 _ENVELOPES_KEPT = 64
 """Envelopes remembered across requests; one more and they are all forgotten."""
 _ENVELOPE_MAX_BYTES = 1024
@@ -149,9 +151,14 @@ def _remember(body: bytes, decoded: OipRequest) -> None:
     if len(_ENVELOPES) >= _ENVELOPES_KEPT:
         _ENVELOPES.clear()
     _ENVELOPES[body[:start]] = _Envelope(
-        body[end:], name, array.dtype, array.shape, dict(parameters),
-        dict(decoded.requested), decoded.binary_default,
-    )  # fmt: skip
+        suffix=body[end:],
+        name=name,
+        dtype=array.dtype,
+        shape=array.shape,
+        parameters=dict(parameters),
+        requested=dict(decoded.requested),
+        binary_default=decoded.binary_default,
+    )
 
 
 def decode_request(
