@@ -1,6 +1,7 @@
 """The benchmark models: built with fixed seeds, scripted, archived, and timed in-process.
 
 - `mlp`: 512 -> 1024 -> 1024 -> 10; cheap enough that serving overhead dominates (scenario A).
+- `linear`: 512 -> 10, the MLP's input at next to none of its compute (`benchmarks.model_cost`).
 - `cnn`: a small VGG-style CNN on 3x32x32 (two 3x3 convs per stage, 32/64/128 channels, about
   39 M multiply-adds), where the model's own compute is the larger part of a request (scenario B).
 """
@@ -32,6 +33,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.layers(x)
+        return y
+
+
+class Linear(nn.Module):
+    """Scenario A's input into one 512 -> 10 layer: about 1/300 of the MLP's multiply-adds, a
+    model that costs next to nothing, to show what the request path costs without one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.layer(x)
         return y
 
 
@@ -67,6 +81,7 @@ class BenchModel:
 
 _MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
     "mlp": (MLP, (512,)),
+    "linear": (Linear, (512,)),
     "cnn": (SmallCNN, (3, 32, 32)),
 }
 
