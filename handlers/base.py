@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -55,6 +54,7 @@ from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.signature import Signature
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.metrics import HandlerMetrics
+from scriptserve.handlers.parts import PartSink, send_parts, set_sink
 
 log = logging.getLogger("scriptserve.handlers")
 
@@ -133,30 +133,6 @@ class InferenceResponse:
     @classmethod
     def failed(cls, message: str, status: int = 400) -> InferenceResponse:
         return cls(error=message, status=status)
-
-
-class PartSink(Protocol):
-    """Where the parts a streaming handler yields go: the worker's link to each client."""
-
-    def send(self, parts: Sequence[InferenceResponse | None]) -> None:
-        """Deliver one step's parts, one per request of the batch (None: no part for it);
-        raises StreamClosed when no request of the batch still listens."""
-
-
-class DiscardParts:
-    """The sink of a batch nobody streams from (warm-up): parts are dropped."""
-
-    def send(self, parts: Sequence[InferenceResponse | None]) -> None:
-        return None
-
-
-_sinks = threading.local()
-
-
-def send_parts(parts: Sequence[InferenceResponse | None]) -> None:
-    """Send one step's parts for the batch this thread is running (see `PartSink.send`)."""
-    sink: PartSink = getattr(_sinks, "sink", None) or DiscardParts()
-    sink.send(parts)
 
 
 @dataclass
@@ -344,7 +320,7 @@ def run_batch(
         run_batch(handler, [InferenceRequest(request_id="abc-1")], context)[0].error
         # 'the handler failed: ValueError (request id abc-1); see the server log'
     """
-    _sinks.sink = parts
+    set_sink(parts)
     try:
         staged = type(handler).handle is BaseHandler.handle and not handler.streams()
         if times is not None and staged:
@@ -368,7 +344,7 @@ def run_batch(
             for r in requests
         ]
     finally:
-        _sinks.sink = None
+        set_sink(None)
     if not isinstance(results, list) or len(results) != len(requests):
         got = len(results) if isinstance(results, list) else type(results).__name__
         message = (

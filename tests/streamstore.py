@@ -71,7 +71,8 @@ class Counter(BaseHandler):
 INTERMEDIATE = """
 import numpy as np
 
-from scriptserve.handlers.base import BaseHandler, InferenceResponse, send_parts
+from scriptserve.handlers.base import BaseHandler, InferenceResponse
+from scriptserve.handlers.parts import send_parts
 
 
 class Intermediate(BaseHandler):

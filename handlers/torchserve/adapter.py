@@ -34,9 +34,9 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
-    send_parts,
 )
 from scriptserve.handlers.legacy_names import legacy_names
+from scriptserve.handlers.parts import send_parts
 from scriptserve.handlers.torchserve.ts.context import Context as TsContext
 from scriptserve.handlers.torchserve.ts.context import RequestProcessor
 from scriptserve.handlers.torchserve.ts.metrics import MetricsCache

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
-from scriptserve.handlers.base import InferenceRequest, InferenceResponse, PartSink, StageTimes
+from scriptserve.handlers.base import InferenceRequest, InferenceResponse, StageTimes
+from scriptserve.handlers.parts import PartSink
 from scriptserve.server.batching import DynamicBatcher, Job, decode_jobs
 from scriptserve.server.errors import (
     DeadlineExceeded,

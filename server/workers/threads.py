@@ -31,12 +31,12 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
-    PartSink,
     StageTimes,
     load_failure,
     run_batch,
 )
 from scriptserve.handlers.loader import worker_scope
+from scriptserve.handlers.parts import PartSink
 from scriptserve.server.workers.capture import Capture
 from scriptserve.server.workers.pool import RestartPolicy, Slot, WorkerPool, WorkerState
 from scriptserve.server.workers.warmup import warm_up

@@ -9,11 +9,11 @@ from time import monotonic, perf_counter
 from scriptserve.handlers.base import (
     InferenceRequest,
     InferenceResponse,
-    PartSink,
     StageTimes,
     StreamClosed,
 )
 from scriptserve.handlers.metrics import HandlerMetrics
+from scriptserve.handlers.parts import PartSink
 from scriptserve.server.workers.process import shared_memory as frames
 from scriptserve.server.workers.process.child_process import Child
 from scriptserve.server.workers.process.slot import ProcessSlot

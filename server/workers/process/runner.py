@@ -34,9 +34,9 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
-    PartSink,
     StageTimes,
 )
+from scriptserve.handlers.parts import PartSink
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
 from scriptserve.server.log_format import current_format
 from scriptserve.server.workers.capture import Capture
