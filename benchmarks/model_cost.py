@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import os
 import statistics
 import sys
@@ -39,7 +38,6 @@ from benchmarks.loadgen import run_wrk, wrk_path
 from benchmarks.scenarios import median
 from benchmarks.servers import ServerProcess, uvicorn_app
 
-RESULTS = Path(__file__).resolve().parent / "results"
 _MODELS = ("mlp", "linear")
 _BATCH = 16
 _JSON_POST = {"Content-Type": "application/json"}
@@ -177,12 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                           "per request", flush=True)  # fmt: skip
         forward = {name: forward_us_per_row(model) for name, model in built.items()}
     lines = summarise(runs, forward)
-    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    host = report.host(load_before)
     lines.append(report.host_line(host))
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"model_cost-{dt.datetime.now():%Y-%m-%dT%H%M}.json"
     document = {
         "host": host,
         "rounds": opts.rounds,
@@ -191,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "forward_us_per_row": forward,
         "summary": lines,
     }
-    out.write_text(report.compact_json(document))
-    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
+    report.write_results("model_cost", document)
     return 0
 
 

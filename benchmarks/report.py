@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen import Run
@@ -91,6 +94,24 @@ def table(scenario: Scenario, summary: Summary) -> str:
         + f"  [target <= 1 ms: {_verdict(all(v <= 1.0 for v in over.values()))}]"
     )
     return "\n".join(lines) + "\n"
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def host(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """The machine around a run: its CPUs, and the load average before and now."""
+    return {"cpus": os.cpu_count(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg()}  # fmt: skip
+
+
+def write_results(kind: str, document: Mapping[str, Any]) -> Path:
+    """`document` as benchmarks/results/<kind>-<date and minute>.json; says where on stdout."""
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{kind}-{dt.datetime.now():%Y-%m-%dT%H%M}.json"
+    out.write_text(compact_json(document))
+    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
+    return out
 
 
 def host_line(host: Mapping[str, Any]) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
 import sys
@@ -35,7 +34,6 @@ from benchmarks.loadgen import LoadResult, run_wrk, wrk_path
 from benchmarks.scenarios import median
 from benchmarks.servers import ServerProcess, free_port, uvicorn_app
 
-RESULTS = Path(__file__).resolve().parent / "results"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _FIGURES = ("rps", "p50_ms", "p99_ms")
 _BASELINES = ("below ASGI", "ceiling", "bare FastAPI")
@@ -166,13 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         raise SystemExit(f"{key}: {result.errors} errors in a measured run")
                     runs.setdefault(key, []).append(result)
     lines = summarise(runs, opts.before is not None)
-    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    host = report.host(load_before)
     lines.append(report.host_line(host))
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M")
-    out = RESULTS / f"request_path-{stamp}.json"
     document = {
         "host": host,
         "rounds": opts.rounds,
@@ -180,8 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
         "summary": lines,
     }
-    out.write_text(report.compact_json(document))
-    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
+    report.write_results("request_path", document)
     return 0
 
 
