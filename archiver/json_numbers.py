@@ -21,6 +21,7 @@ array([1, 2])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +34,8 @@ a ValueError too)."""
 _MAX_RANK = 32
 """Deepest nesting read here (numpy's own limit before 2.0): a deeper text is left to the
 general path, which refuses it, rather than walked by recursion."""
+_WHITESPACE = b" \t\n\r"
+"""JSON's whitespace (bytes.strip would take vertical tabs and form feeds too)."""
 _OBJECT = simdjson.Object
 _ARRAY = simdjson.Array
 _BufferType = Literal["d", "i", "u"]
@@ -78,6 +81,36 @@ def array_from_text(text: bytes, dtype: np.dtype[Any]) -> np.ndarray | None:
     if shape is None or text.count(b"[") != _arrays_in(shape):
         return None
     return _read(document, shape, dtype)
+
+
+def rows_from_texts(texts: Sequence[bytes], dtype: np.dtype[Any]) -> np.ndarray | None:
+    """Texts that are each one flat JSON array of numbers, all of one length, read in one parse
+    as the rows of one (len(texts), length) array of `dtype`; None when any text is anything
+    else (the caller then reads each text on its own, with its own result or error).
+
+    The texts are joined by commas inside one more array. Each must begin with its only `[` and
+    end with `]` (JSON whitespace aside), and what is read must be as many rows as texts, each a
+    flat run of numbers: then the only brackets are the outer pair and each row's own pair, each
+    text holds one `]` too (the one it ends with), and row i is text i, so no text lends numbers
+    to another's row. A text with nested arrays (an instance of more than one dimension) is
+    turned away by its count of `[` before anything is parsed. One parse for a batch costs about
+    half of one parse per text (scenario A's 512 numbers: 6.3 against 11.0 us a row at 15 rows).
+
+    >>> rows_from_texts([b"[1, 2]", b" [3, 4]\\n"], np.dtype("float32")).tolist()
+    [[1.0, 2.0], [3.0, 4.0]]
+    >>> rows_from_texts([b"[1, 2", b"3], [4, 5, 6]"], np.dtype("float32")) is None
+    True
+    """
+    rows: list[bytes] = []
+    for text in texts:
+        row = text.strip(_WHITESPACE)
+        if row[:1] != b"[" or row[-1:] != b"]" or row.count(b"[") != 1:
+            return None
+        rows.append(row)
+    array = array_from_text(b"[%s]" % b",".join(rows), dtype)
+    if array is None or array.ndim != 2 or array.shape[0] != len(rows):
+        return None
+    return array
 
 
 def loads(text: bytes, lazy_key: str) -> Any:

@@ -9,7 +9,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +220,22 @@ def arrays_from_text(text: bytes, signature: Signature) -> dict[str, np.ndarray]
         return None
     name = spec.name if spec else "input0"
     return {name: _instance(name, array, spec)}
+
+
+def instances_from_texts(
+    texts: Sequence[bytes], signature: Signature
+) -> list[dict[str, np.ndarray]] | None:
+    """`arrays_from_text` of each text, read in one parse (`json_numbers.rows_from_texts`) when
+    every text is one flat array of numbers of one length that the model's one input accepts;
+    None otherwise, and each text is then read on its own."""
+    if len(signature.inputs) > 1:
+        return None
+    spec = signature.inputs[0] if signature.inputs else None
+    rows = json_numbers.rows_from_texts(texts, numpy_dtype(spec.datatype if spec else "FP32"))
+    if rows is None or (spec is not None and not spec.accepts_shape((1, *rows.shape[1:]))):
+        return None
+    name = spec.name if spec else "input0"
+    return [{name: rows[i : i + 1]} for i in range(len(texts))]
 
 
 def _instance(name: str, array: np.ndarray, spec: TensorSpec | None) -> np.ndarray:

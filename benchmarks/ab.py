@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--other", default=sys.executable, help="the other tree's python")
     p.add_argument("--other-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the other server (repeatable)")  # fmt: skip
-    p.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
-                   help="scenario A's MLP (default) or scenario B's CNN")  # fmt: skip
+    p.add_argument("--model", choices=("mlp", "cnn", "linear"), default="mlp",
+                   help="scenario A's MLP (default), scenario B's CNN, or the 512 -> 10 model "
+                        "that costs next to nothing (the request path alone)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")

@@ -20,6 +20,7 @@ from scriptserve.archiver.signature import (
     SignatureError,
     arrays_from_json,
     arrays_from_text,
+    instances_from_texts,
 )
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import (
@@ -91,8 +92,28 @@ class TensorHandler(BaseHandler):
             return dict(zip(names, arrays.values(), strict=True))
         return arrays
 
+    def _instances(self, requests: list[InferenceRequest]) -> list[dict[str, np.ndarray]] | None:
+        """Each request's arrays as `_decode` gives them, read in one parse, when every request
+        is a body holding one instance of the model's one input (a batch of `/predictions`
+        JSON rows); else None."""
+        if len(requests) < 2:
+            return None
+        texts: list[bytes] = []
+        for request in requests:
+            if request.inputs or request.body is None:
+                return None
+            texts.append(request.body)
+        instances = instances_from_texts(texts, self.signature)
+        if instances is None:
+            return None
+        return [self._bind_names(arrays) for arrays in instances]
+
     def preprocess(self, requests: list[InferenceRequest]) -> TensorBatch:
         batch = TensorBatch(size=len(requests))
+        instances = self._instances(requests)
+        if instances is not None:  # one group of one row each, as the loop below would make
+            batch.groups = [[_Item(i, arrays, 1, True) for i, arrays in enumerate(instances)]]
+            return batch
         groups: dict[tuple[object, ...], list[_Item]] = {}
         for i, request in enumerate(requests):
             try:

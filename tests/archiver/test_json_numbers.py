@@ -3,6 +3,7 @@ or None (the general path), never a different answer."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from typing import Any
@@ -13,13 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scriptserve.archiver.json_numbers import JsonArray, array_from_text, loads
+from scriptserve.archiver.json_numbers import JsonArray, array_from_text, loads, rows_from_texts
 from scriptserve.archiver.signature import (
     Signature,
     SignatureError,
     TensorSpec,
     arrays_from_json,
     arrays_from_text,
+    instances_from_texts,
 )
 
 DTYPES = [np.dtype(t) for t in ("float32", "float64", "float16", "int64", "int8", "uint8")]
@@ -225,3 +227,95 @@ def test_deep_nesting_is_left_to_the_general_path() -> None:
     assert lazy.to_numpy(np.dtype("float32")) is None
     nested = b'{"p": ' + b'{"p": ' * 900 + b"1" + b"}" * 901
     assert loads(nested, lazy_key="data") == orjson.loads(nested)
+
+
+# -- a batch of rows read in one parse --------------------------------------------------------
+
+_spaces = st.sampled_from([b"", b" ", b"\n", b"\t", b"\r\n  "])
+_flat = st.integers(0, 4).flatmap(lambda n: st.lists(_numbers, min_size=n, max_size=n))
+
+
+def _each_alone(texts: list[bytes], rows: np.ndarray, dtype: np.dtype[Any]) -> None:
+    """Every row of the batch is what its own text reads as, alone, bit for bit."""
+    assert rows.shape[0] == len(texts)
+    for text, row in zip(texts, rows, strict=True):
+        alone = array_from_text(text, dtype)
+        assert alone is not None, f"{text!r} is read in a batch but not alone"
+        _same(row, alone)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@settings(max_examples=200, deadline=None)
+@given(
+    width=st.integers(0, 4),
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_rows_of_one_width_are_read_in_one_parse_as_each_alone(
+    width: int, data: st.DataObject, dtype: np.dtype[Any]
+) -> None:
+    values = data.draw(st.lists(st.lists(_numbers, min_size=width, max_size=width), min_size=1))
+    texts = [data.draw(_spaces) + json.dumps(v).encode() + data.draw(_spaces) for v in values]
+    rows = rows_from_texts(texts, dtype)
+    if all(array_from_text(text, dtype) is not None for text in texts):
+        assert rows is not None, "rows that each read alone are read together"
+    if rows is not None:
+        _each_alone(texts, rows, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.one_of(_flat, _nested), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 400), max_size=4),
+    dtype=st.sampled_from(DTYPES[:3]),
+)
+def test_texts_cut_anywhere_never_lend_numbers_to_another_row(
+    values: list[Any], cuts: list[int], dtype: np.dtype[Any]
+) -> None:
+    # The texts of several clients, cut at any points and handed over as other texts: whatever
+    # is read in one parse is what each text is alone.
+    whole = b",".join(json.dumps(v).encode() for v in values)
+    points = sorted({min(c, len(whole)) for c in cuts} | {0, len(whole)})
+    texts = [whole[a:b] for a, b in itertools.pairwise(points)] or [whole]
+    rows = rows_from_texts(texts, dtype)
+    if rows is not None:
+        _each_alone(texts, rows, dtype)
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        [b"[1, 2", b"3], [4, 5, 6]"],  # valid once joined, neither alone
+        [b"[1, 2, 3", b"], [4, 5, 6]"],
+        [b"[1, 2], [3, 4]", b"[5, 6]"],  # two rows in one text
+        [b"[1], [2", b"3]"],
+        [b"[1, 2]", b"[3]"],  # ragged
+        [b"[[1, 2]]", b"[[3, 4]]"],  # an instance with rows of its own
+        [b"\x0c[1, 2]", b"[3, 4]"],  # a form feed is not JSON whitespace
+        [b'[1, "2"]', b"[3, 4]"],
+        [b"[1, 2]", b"{}"],
+        [],
+    ],
+)
+def test_anything_but_flat_rows_of_one_width_is_read_text_by_text(texts: list[bytes]) -> None:
+    assert rows_from_texts(texts, np.dtype("float32")) is None
+
+
+def test_instances_are_what_arrays_from_text_makes_of_each_text() -> None:
+    signature = Signature((TensorSpec("x", "FP32", (-1, 3)),))
+    texts = [b"[1, 2, 3]", b" [4, 5, 6.5] "]
+    instances = instances_from_texts(texts, signature)
+    assert instances is not None
+    for text, instance in zip(texts, instances, strict=True):
+        alone = arrays_from_text(text, signature)
+        assert alone is not None
+        assert instance.keys() == alone.keys() == {"x"}
+        _same(instance["x"], alone["x"])
+    # A width the model does not take is left to the text-by-text path, which says so.
+    assert instances_from_texts([b"[1, 2]", b"[3, 4]"], signature) is None
+    two = Signature((TensorSpec("a", "FP32", (-1, 3)), TensorSpec("b", "FP32", (-1, 3))))
+    assert instances_from_texts(texts, two) is None
+    unsigned = instances_from_texts(texts, Signature())
+    assert unsigned is not None
+    assert [set(i) for i in unsigned] == [{"input0"}, {"input0"}]

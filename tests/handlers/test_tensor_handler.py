@@ -192,6 +192,57 @@ def test_a_batch_of_only_bad_requests_answers_each(tiny: Served) -> None:
     assert all(r.error for r in responses)
 
 
+def test_a_batch_of_json_rows_is_read_in_one_parse(tiny: Served) -> None:
+    handler, _ = tiny
+    xs = [rows(1, seed=s) for s in range(4)]
+    requests = [json_request(x[0].tolist()) for x in xs]
+
+    batch = handler.preprocess(requests)
+
+    assert batch.errors == {}
+    (group,) = batch.groups
+    assert [item.index for item in group] == [0, 1, 2, 3]
+    for x, item in zip(xs, group, strict=True):
+        np.testing.assert_array_equal(item.arrays["x"], x)
+    # One parse: the rows are views of one array.
+    assert all(np.shares_memory(group[0].arrays["x"].base, i.arrays["x"]) for i in group)
+
+
+@pytest.mark.parametrize(
+    ("bodies", "bad", "phrase"),
+    [
+        ([b"[0.5, 0.5, 0.5, 0.5", b"0.5, 0.5, 0.5, 0.5]"], [0, 1], "the body is not valid JSON"),
+        (
+            [b"[0.5, 0.5, 0.5, 0.5", b"0.5, 0.5, 0.5, 0.5], [" + b"0.5, " * 7 + b"0.5]"],
+            [0, 1],
+            "the body is not valid JSON",
+        ),
+        ([b"[0.5, 0.5, 0.5, 0.5, 0.5]"], [0], "input 'x' has shape [5] per instance"),
+        ([b"[0.5, 0.5,"], [0], "the body is not valid JSON"),
+    ],
+)
+def test_a_bad_json_row_among_good_ones_fails_alone(
+    tiny: Served, bodies: list[bytes], bad: list[int], phrase: str
+) -> None:
+    # Two halves of one row, sent as two requests, are each invalid: neither borrows the
+    # other's numbers, and the well-formed rows around them are answered.
+    handler, context = tiny
+    good = [rows(1, seed=s) for s in (31, 32)]
+    requests = [json_request(good[0][0].tolist())]
+    requests += [InferenceRequest(body=b, content_type="application/json") for b in bodies]
+    requests.append(json_request(good[1][0].tolist()))
+
+    responses = handler.handle(requests, context)
+
+    for index in bad:
+        failed = responses[1 + index]
+        assert failed.status == 400
+        assert failed.error is not None
+        assert phrase in failed.error
+    for x, response in zip(good, (responses[0], responses[-1]), strict=True):
+        np.testing.assert_allclose(response.body, reference_output(x)[0], rtol=1e-5, atol=1e-6)
+
+
 # -- a model with a dynamic non-batch dimension ------------------------------------------------
 
 
@@ -279,6 +330,16 @@ def test_model_without_signature_takes_a_json_body(unsigned: Served) -> None:
     (response,) = handler.handle([json_request(x[0].tolist())], context)
 
     np.testing.assert_allclose(response.body, reference_output(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_model_without_signature_takes_a_batch_of_json_rows(unsigned: Served) -> None:
+    handler, context = unsigned
+    xs = [rows(1, seed=s) for s in (25, 26, 27)]
+
+    responses = handler.handle([json_request(x[0].tolist()) for x in xs], context)
+
+    for x, response in zip(xs, responses, strict=True):
+        np.testing.assert_allclose(response.body, reference_output(x)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_model_without_signature_maps_a_generic_tensor_name(unsigned: Served) -> None:
