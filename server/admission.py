@@ -103,6 +103,12 @@ class Deferred:
         return request
 
     @property
+    def source(self) -> object:
+        """What decodes the request: the wire object whose method `decode` is (an OIP body,
+        which can read a batch's bodies together, `batching.decode_jobs`), else the function."""
+        return getattr(self._decode, "__self__", self._decode)
+
+    @property
     def outputs(self) -> list[str] | None:
         """The outputs the decoded request asks for (what `served_by` selects)."""
         return self._outputs

@@ -12,6 +12,7 @@ running; cancelled jobs (client gone, timed out) have already left the count and
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from typing import Any
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.errors import ModelNotReady, QueueFull, ServingError
 from scriptserve.server.streaming import PartStream
+
+log = logging.getLogger("scriptserve.batching")
 
 Decode = Callable[[], InferenceRequest]
 """Decodes a request as its client sent it, from a worker's thread; raises the ServingError that
@@ -72,9 +75,12 @@ class Batch:
     expired: list[Job]
 
 
-def decode_jobs(jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, ServingError]]]:
+def decode_jobs(
+    jobs: list[Job], model: str, version: str
+) -> tuple[list[Job], list[tuple[Job, ServingError]]]:
     """From a worker's thread: decode the jobs' requests that were queued as sent. The jobs to
     run, and those whose request could not be decoded, each with the error that answers it."""
+    _read_together(jobs, model, version)
     runnable: list[Job] = []
     failed: list[tuple[Job, ServingError]] = []
     for job in jobs:
@@ -88,6 +94,28 @@ def decode_jobs(jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, ServingErro
                 job.decode = None
         runnable.append(job)
     return runnable, failed
+
+
+def _read_together(jobs: list[Job], model: str, version: str) -> None:
+    """Let the wire objects that can read several requests in one go (a `read_together` on
+    their class: OIP's JSON bodies) read those of the batch first; each job is still decoded,
+    and fails, on its own. Reading together only saves work, so a failure in it is logged and
+    the jobs are decoded one by one as they would have been."""
+    readers: dict[Callable[[list[Any]], None], list[Any]] = {}
+    for job in jobs:
+        source = getattr(job.decode, "source", None)
+        together = getattr(type(source), "read_together", None)
+        if together is not None:
+            readers.setdefault(together, []).append(source)
+    for together, sources in readers.items():
+        if len(sources) > 1:
+            try:
+                together(sources)
+            except Exception:
+                log.exception(
+                    "model=%s version=%s reading %d requests together failed; each is read alone",
+                    model, version, len(sources),
+                )  # fmt: skip
 
 
 class DynamicBatcher:

@@ -13,7 +13,7 @@ scenario A's body against 17.4 for the whole document, the same result to the bi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,9 +101,8 @@ def _data_span(body: bytes) -> tuple[int, int] | None:
     return (start, end) if end else None
 
 
-def _from_envelope(body: bytes, headers: Mapping[str, str] | None) -> OipRequest | None:
-    """The request, when its text is a remembered envelope around a flat array of numbers that
-    fits it; None otherwise (the whole text is then decoded)."""
+def _envelope_of(body: bytes) -> tuple[_Envelope, bytes] | None:
+    """The remembered envelope the text is, and the text of its numbers; None when it is none."""
     span = _data_span(body)
     if span is None:
         return None
@@ -111,10 +110,14 @@ def _from_envelope(body: bytes, headers: Mapping[str, str] | None) -> OipRequest
     envelope = _ENVELOPES.get(body[:start])
     if envelope is None or body[end:] != envelope.suffix:
         return None
-    # The same text around a single JSON array (array_from_text reads nothing else): the same
-    # document as the remembered one, with other numbers for its only `data` key.
-    values = array_from_text(body[start:end], envelope.dtype)
-    if values is None or values.size != math.prod(envelope.shape):
+    return envelope, body[start:end]
+
+
+def _enveloped(
+    envelope: _Envelope, values: np.ndarray, headers: Mapping[str, str] | None
+) -> OipRequest | None:
+    """The request an envelope makes with these numbers; None when they do not fit it."""
+    if values.size != math.prod(envelope.shape):
         return None
     inference = InferenceRequest(
         inputs={envelope.name: values.reshape(envelope.shape)},
@@ -123,6 +126,19 @@ def _from_envelope(body: bytes, headers: Mapping[str, str] | None) -> OipRequest
         outputs=list(envelope.requested),
     )
     return OipRequest(inference, None, dict(envelope.requested), envelope.binary_default)
+
+
+def _from_envelope(body: bytes, headers: Mapping[str, str] | None) -> OipRequest | None:
+    """The request, when its text is a remembered envelope around a flat array of numbers that
+    fits it; None otherwise (the whole text is then decoded)."""
+    found = _envelope_of(body)
+    if found is None:
+        return None
+    envelope, numbers = found
+    # The same text around a single JSON array (array_from_text reads nothing else): the same
+    # document as the remembered one, with other numbers for its only `data` key.
+    values = array_from_text(numbers, envelope.dtype)
+    return None if values is None else _enveloped(envelope, values, headers)
 
 
 def _remember(body: bytes, decoded: OipRequest) -> None:
@@ -161,6 +177,70 @@ def _remember(body: bytes, decoded: OipRequest) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _Header:
+    """A binary request's JSON header as decoded: one input, whose raw bytes are all that
+    follows the header."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    size: int
+    parameters: dict[str, Any]
+    """Scalars only, so that a copy of the dict is a copy of them."""
+    requested: dict[str, bool]
+    binary_default: bool
+
+
+_HEADERS: dict[bytes, _Header] = {}
+"""By the header's text; as bounded, and as safe to share between threads, as `_ENVELOPES`."""
+
+
+def _from_header(body: bytes, split: int, headers: Mapping[str, str] | None) -> OipRequest | None:
+    """The request, when its JSON header is a remembered one and the bytes after it are as many
+    as it says; None otherwise (the request is then decoded whole)."""
+    header = _HEADERS.get(body[:split])
+    if header is None or len(body) - split != header.size:
+        return None
+    array = decode_raw(header.name, header.datatype, [*header.shape], body[split:])
+    inference = InferenceRequest(
+        inputs={header.name: array},
+        parameters=dict(header.parameters),
+        headers=headers or {},
+        outputs=list(header.requested),
+    )
+    return OipRequest(inference, None, dict(header.requested), header.binary_default)
+
+
+def _remember_header(header: bytes, doc: dict[str, Any], decoded: OipRequest) -> None:
+    """Keep a binary request's header that decodes the same for any bytes of the size it gives:
+    one input, sent as raw bytes (not BYTES), no id, scalar parameters, at most 1 kB."""
+    inputs = decoded.inference.inputs
+    if decoded.id is not None or len(inputs) != 1 or len(doc["inputs"]) != 1:
+        return
+    (spec,) = doc["inputs"]
+    tensor_params = spec.get("parameters")
+    if not isinstance(tensor_params, dict) or "binary_data_size" not in tensor_params:
+        return
+    parameters = decoded.inference.parameters
+    if spec["datatype"] == "BYTES" or not all(type(v) in _SCALARS for v in parameters.values()):
+        return
+    if len(header) > _ENVELOPE_MAX_BYTES:
+        return
+    ((name, array),) = inputs.items()
+    if len(_HEADERS) >= _ENVELOPES_KEPT:
+        _HEADERS.clear()
+    _HEADERS[header] = _Header(
+        name=name,
+        datatype=spec["datatype"],
+        shape=array.shape,
+        size=array.nbytes,
+        parameters=dict(parameters),
+        requested=dict(decoded.requested),
+        binary_default=decoded.binary_default,
+    )
+
+
 def decode_request(
     body: bytes, header_length: str | None, headers: Mapping[str, str] | None = None
 ) -> OipRequest:
@@ -174,6 +254,9 @@ def decode_request(
         if length is None or length > len(body):
             raise InvalidInput(f"{HEADER_LENGTH} must be the JSON header's length in bytes")
         split = length
+        known = _from_header(body, split, headers)
+        if known is not None:
+            return known
     else:
         split = len(body)
     try:
@@ -215,6 +298,8 @@ def decode_request(
     decoded = OipRequest(inference, request_id, requested, binary_default)
     if header_length is None:
         _remember(body, decoded)
+    else:
+        _remember_header(body[:split], doc, decoded)
     return decoded
 
 
@@ -265,9 +350,35 @@ class OipBody:
         self._header_length = header_length
         self._headers = headers
         self._decoded: OipRequest | None = None
+        self._read: tuple[_Envelope, np.ndarray] | None = None
+        """Its envelope and numbers, when `read_together` read them with a batch's others."""
+
+    @staticmethod
+    def read_together(bodies: Sequence[OipBody]) -> None:
+        """Read the numbers of a batch's JSON bodies in one parse, when each is one remembered
+        envelope around its numbers, the same for all (`json_numbers.rows_from_texts`): each
+        body then decodes without parsing them again. Otherwise nothing is read, and each body
+        decodes as it would alone, with its own errors."""
+        envelope: _Envelope | None = None
+        texts: list[bytes] = []
+        for body in bodies:
+            found = None if body._header_length is not None else _envelope_of(body._body)
+            if found is None or (envelope is not None and found[0] is not envelope):
+                return
+            envelope = found[0]
+            texts.append(found[1])
+        if envelope is None:
+            return
+        rows = json_numbers.rows_from_texts(texts, envelope.dtype)
+        if rows is None:
+            return
+        for body, row in zip(bodies, rows, strict=True):
+            body._read = (envelope, row)
 
     def decode(self) -> InferenceRequest:
-        self._decoded = decode_request(self._body, self._header_length, self._headers)
+        read, self._read = self._read, None
+        known = None if read is None else _enveloped(*read, self._headers)
+        self._decoded = known or decode_request(self._body, self._header_length, self._headers)
         return self._decoded.inference
 
     def encode(

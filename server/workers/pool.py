@@ -366,7 +366,7 @@ class WorkerPool(Generic[S]):
         slot.state = WorkerState.BUSY
         times = StageTimes()
         started = time.perf_counter()
-        jobs, undecodable = decode_jobs(jobs)
+        jobs, undecodable = decode_jobs(jobs, self.model, self.version)
         if undecodable:
             # Refused as they would have been before queueing: no queue or compute time.
             hand_back([job for job, _ in undecodable], [error for _, error in undecodable])

@@ -8,11 +8,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.batching import Batch, DynamicBatcher, Job
+from scriptserve.server.batching import Batch, DynamicBatcher, Job, decode_jobs
+from scriptserve.server.codec import oip_json
 from scriptserve.server.errors import ModelNotReady, QueueFull
 
 JobFactory = Callable[..., Job]
@@ -275,3 +278,79 @@ def test_wait_empty_wakes_when_the_last_job_leaves(make_job: JobFactory, how: st
         batcher.take_all()
     assert out.get(timeout=5) is True
     assert batcher.depth == 0
+
+
+# -- decoding a batch's requests --------------------------------------------------------------
+
+
+class _Decoding:
+    """What is queued for a request sent as it was (as `admission.Deferred` is): the call that
+    decodes it, and the wire object it decodes from."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __call__(self) -> InferenceRequest:
+        request: InferenceRequest = self.source.decode()
+        return request
+
+
+def _oip(data: str) -> oip_json.OipBody:
+    tensor = '{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": ' + data + "}"
+    return oip_json.OipBody(('{"inputs": [' + tensor + "]}").encode(), None, {})
+
+
+def test_decode_jobs_reads_the_oip_bodies_of_a_batch_together(make_job: JobFactory) -> None:
+    oip_json._ENVELOPES.clear()
+    _oip("[0, 0]").decode()  # the envelope is remembered
+    jobs = [make_job() for _ in range(3)]
+    for job, data in zip(jobs, ("[1, 2]", "[3, 4]", "[5]"), strict=True):
+        job.decode = _Decoding(_oip(data))
+
+    runnable, failed = decode_jobs(jobs, "m", "1")
+
+    oip_json._ENVELOPES.clear()
+    # [5] does not fit the envelope's shape: nothing is read together, each decodes alone.
+    assert [job.request.inputs["x"].tolist() for job in runnable] == [[[1.0, 2.0]], [[3.0, 4.0]]]
+    assert [(job, error.status) for job, error in failed] == [(jobs[2], 400)]
+    assert "needs 2 values, got 1" in failed[0][1].message
+    assert all(job.decode is None for job in jobs)
+
+
+def test_decode_jobs_parses_fitting_bodies_once(make_job: JobFactory) -> None:
+    oip_json._ENVELOPES.clear()
+    _oip("[0, 0]").decode()
+    jobs = [make_job() for _ in range(2)]
+    for job, data in zip(jobs, ("[1, 2]", "[3, 4]"), strict=True):
+        job.decode = _Decoding(_oip(data))
+
+    runnable, failed = decode_jobs(jobs, "m", "1")
+
+    oip_json._ENVELOPES.clear()
+    assert failed == []
+    first, second = (job.request.inputs["x"] for job in runnable)
+    assert second.tolist() == [[3.0, 4.0]]
+    assert np.shares_memory(first.base, second)
+
+
+class _CannotReadTogether:
+    @staticmethod
+    def read_together(sources: list[object]) -> None:
+        raise RuntimeError("a bug in reading together")
+
+    def decode(self) -> InferenceRequest:
+        return InferenceRequest(request_id="alone")
+
+
+def test_a_failure_to_read_together_is_logged_and_each_job_decodes_alone(
+    make_job: JobFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    jobs = [make_job() for _ in range(2)]
+    for job in jobs:
+        job.decode = _Decoding(_CannotReadTogether())
+
+    runnable, failed = decode_jobs(jobs, "m", "1")
+
+    assert [job.request.request_id for job in runnable] == ["alone", "alone"]
+    assert failed == []
+    assert "model=m version=1 reading 2 requests together failed" in caplog.text

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scriptserve.server.codec import oip_json
+from scriptserve.server.codec.tensors import tensor_dtype
 from scriptserve.server.errors import InvalidInput
 
 
@@ -195,3 +196,179 @@ def test_envelopes_kept_are_bounded() -> None:
         body = _request("[1, 2, 3]", before=f'"parameters": {{"n": {i}}}, ')
         oip_json.decode_request(body, None, {})
     assert 0 < len(oip_json._ENVELOPES) <= 64
+
+
+# -- a batch's bodies read together -----------------------------------------------------------
+
+
+def _decoded_alone(body: bytes) -> oip_json.OipRequest | InvalidInput:
+    wire = oip_json.OipBody(body, None, {})
+    try:
+        wire.decode()
+    except InvalidInput as exc:
+        return exc
+    assert wire._decoded is not None
+    return wire._decoded
+
+
+def _decoded_together(bodies: list[bytes]) -> list[oip_json.OipRequest | InvalidInput]:
+    wires = [oip_json.OipBody(body, None, {}) for body in bodies]
+    oip_json.OipBody.read_together(wires)
+    out: list[oip_json.OipRequest | InvalidInput] = []
+    for wire in wires:
+        try:
+            wire.decode()
+        except InvalidInput as exc:
+            out.append(exc)
+            continue
+        assert wire._decoded is not None
+        out.append(wire._decoded)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_batch_read_together_decodes_as_each_body_alone(data: st.DataObject) -> None:
+    doc, shape, _ = data.draw(_envelopes())
+    indent = data.draw(st.sampled_from([None, 1]))
+    bodies = [
+        _body(doc, _data(data.draw, shape), indent) for _ in range(data.draw(st.integers(1, 4)))
+    ]
+    alone = [_decoded_alone(body) for body in bodies]  # the first keeps the envelope, if any
+    for each, together in zip(alone, _decoded_together(bodies), strict=True):
+        _same(each, together)
+
+
+def test_bodies_around_one_envelope_are_read_in_one_parse() -> None:
+    oip_json.decode_request(_request("[1, 2, 3]"), None, {})
+    wires = [oip_json.OipBody(_request(d), None, {}) for d in ("[4, 5, 6]", "[7, 8, 9.5]")]
+
+    oip_json.OipBody.read_together(wires)
+    first, second = (wire.decode() for wire in wires)
+
+    assert first.inputs["x"].tolist() == [[4.0, 5.0, 6.0]]
+    assert second.inputs["x"].tolist() == [[7.0, 8.0, 9.5]]
+    assert np.shares_memory(first.inputs["x"].base, second.inputs["x"])  # one array, one parse
+
+
+@pytest.mark.parametrize(
+    "bodies",
+    [
+        [_request("[4, 5, 6]"), _request("[1, 2]")],  # a row that does not fit: 400 alone
+        [_request("[4, 5, 6]"), _request("[1, 2, 3", after="]")],  # not JSON alone
+        [_request("[4, 5, 6]"), _request("[1, 2, 3]", name="y")],  # another envelope
+        [_request("[4, 5, 6]"), _request('[1, "2", 3]')],
+    ],
+)
+def test_a_batch_that_cannot_be_read_together_is_decoded_body_by_body(bodies: list[bytes]) -> None:
+    oip_json.decode_request(_request("[1, 2, 3]"), None, {})
+    expected = [_general(body) for body in bodies]
+
+    got = _decoded_together(bodies)
+
+    for each, together in zip(expected, got, strict=True):
+        _same(each, together)
+    assert isinstance(got[0], oip_json.OipRequest)
+
+
+# -- binary requests: the JSON header remembered ----------------------------------------------
+
+
+def _binary(header: dict[str, Any], raw: bytes) -> tuple[bytes, str]:
+    text = json.dumps(header).encode()
+    return text + raw, str(len(text))
+
+
+def _binary_alone(body: bytes, length: str) -> oip_json.OipRequest | InvalidInput:
+    kept = dict(oip_json._HEADERS)
+    oip_json._HEADERS.clear()
+    try:
+        return oip_json.decode_request(body, length, {})
+    except InvalidInput as exc:
+        return exc
+    finally:
+        oip_json._HEADERS.clear()
+        oip_json._HEADERS.update(kept)
+
+
+def _binary_decoded(body: bytes, length: str) -> oip_json.OipRequest | InvalidInput:
+    try:
+        return oip_json.decode_request(body, length, {})
+    except InvalidInput as exc:
+        return exc
+
+
+@pytest.fixture(autouse=True)
+def _forget_headers() -> Iterator[None]:
+    oip_json._HEADERS.clear()
+    yield
+    oip_json._HEADERS.clear()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+    datatype=st.sampled_from(["FP32", "FP64", "INT64", "INT8", "UINT8", "BOOL", "FP16"]),
+    extras=st.lists(st.integers(-4, 4), min_size=2, max_size=2),
+    data=st.data(),
+)
+def test_a_remembered_header_decodes_as_the_whole_request(
+    shape: list[int], datatype: str, extras: list[int], data: st.DataObject
+) -> None:
+    itemsize = tensor_dtype("x", datatype).itemsize
+    size = int(np.prod(shape)) * itemsize
+    tensor: dict[str, Any] = {"name": "x", "shape": shape, "datatype": datatype,
+                              "parameters": {"binary_data_size": size}}  # fmt: skip
+    header: dict[str, Any] = {"inputs": [tensor]}
+    if data.draw(_rarely):
+        header["parameters"] = data.draw(st.dictionaries(_texts, _scalars, max_size=2))
+    if data.draw(_rarely):
+        header["outputs"] = [{"name": "y", "parameters": {"binary_data": data.draw(st.booleans())}}]
+    if data.draw(_rarely):
+        header["id"] = "r1"
+    for extra in extras:  # the same header with as many bytes as it says, or more, or fewer
+        raw = data.draw(st.binary(min_size=max(0, size + extra), max_size=max(0, size + extra)))
+        body, length = _binary(header, raw)
+        _same(_binary_decoded(body, length), _binary_alone(body, length))
+
+
+def test_a_header_is_remembered_and_read_again_without_its_json() -> None:
+    header = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                          "parameters": {"binary_data_size": 8}}]}  # fmt: skip
+    body, length = _binary(header, np.array([1, 2], "<f4").tobytes())
+    oip_json.decode_request(body, length, {})
+    assert len(oip_json._HEADERS) == 1
+    again, _ = _binary(header, np.array([3, 4.5], "<f4").tobytes())
+    known = oip_json._from_header(again, int(length), {"h": "v"})
+    assert known is not None
+    assert known.inference.inputs["x"].tolist() == [[3.0, 4.5]]
+    assert known.inference.headers == {"h": "v"}
+    assert oip_json._from_header(again + b"\0", int(length), None) is None  # a byte too many
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"id": "r1", "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                                 "parameters": {"binary_data_size": 8}}]},  # its id names them
+        {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                     "parameters": {"binary_data_size": 8}}],
+         "parameters": {"p": [1]}},  # parameters not scalars
+        {"inputs": [{"name": "x", "shape": [2], "datatype": "BYTES",
+                     "parameters": {"binary_data_size": 8}}]},
+        {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                     "parameters": {"binary_data_size": 8, "pad": "a" * 1100}}]},  # long
+        {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                     "parameters": {"binary_data_size": 8}},
+                    {"name": "y", "shape": [1], "datatype": "FP32", "data": [1]}]},
+    ],
+)  # fmt: skip
+def test_headers_that_could_read_wrong_are_not_kept(header: dict[str, Any]) -> None:
+    raw = (
+        np.array([1, 2], "<f4").tobytes()
+        if header["inputs"][0]["datatype"] == "FP32"
+        else (b"\x00\x00\x00\x00" * 2)
+    )
+    body, length = _binary(header, raw)
+    oip_json.decode_request(body, length, {})
+    assert not oip_json._HEADERS
