@@ -92,12 +92,15 @@ class TensorHandler(BaseHandler):
             return dict(zip(names, arrays.values(), strict=True))
         return arrays
 
-    def _instances(self, requests: list[InferenceRequest]) -> list[dict[str, np.ndarray]] | None:
-        """Each request's arrays as `_decode` gives them, read in one parse, when every request
-        is a body holding one instance of the model's one input (a batch of `/predictions`
-        JSON rows); else None."""
+    def _one_group(self, requests: list[InferenceRequest]) -> list[_Item] | None:
+        """The batch as the one group the loop in `preprocess` would make of it, when every
+        request is alike: tensors of one name, datatype and shape (OIP), checked once; or
+        bodies holding one instance each of the model's one input (`/predictions` JSON rows),
+        read in one parse. None otherwise, and each request is decoded on its own."""
         if len(requests) < 2:
             return None
+        if requests[0].inputs:
+            return self._alike_tensors(requests)
         texts: list[bytes] = []
         for request in requests:
             if request.inputs or request.body is None:
@@ -106,13 +109,35 @@ class TensorHandler(BaseHandler):
         instances = instances_from_texts(texts, self.signature)
         if instances is None:
             return None
-        return [self._bind_names(arrays) for arrays in instances]
+        return [_Item(i, self._bind_names(arrays), 1, True) for i, arrays in enumerate(instances)]
+
+    def _alike_tensors(self, requests: list[InferenceRequest]) -> list[_Item] | None:
+        first = requests[0].inputs
+        if len(first) != 1:
+            return None
+        ((name, array),) = first.items()
+        if not array.ndim or not array.shape[0]:
+            return None  # no rows: the per-request path says so
+        for request in requests:
+            other = request.inputs.get(name) if len(request.inputs) == 1 else None
+            if other is None or other.dtype != array.dtype or other.shape != array.shape:
+                return None
+        try:
+            # The signature checks names, datatypes and shapes, all alike here: one check.
+            self._check_tensors(first)
+        except SignatureError:
+            return None
+        rows = array.shape[0]
+        if self.signature.inputs:
+            return [_Item(i, r.inputs, rows, False) for i, r in enumerate(requests)]
+        # Without a signature, generic names are mapped as _check_tensors maps them.
+        return [_Item(i, self._bind_names(r.inputs), rows, False) for i, r in enumerate(requests)]
 
     def preprocess(self, requests: list[InferenceRequest]) -> TensorBatch:
         batch = TensorBatch(size=len(requests))
-        instances = self._instances(requests)
-        if instances is not None:  # one group of one row each, as the loop below would make
-            batch.groups = [[_Item(i, arrays, 1, True) for i, arrays in enumerate(instances)]]
+        group = self._one_group(requests)
+        if group is not None:
+            batch.groups = [group]
             return batch
         groups: dict[tuple[object, ...], list[_Item]] = {}
         for i, request in enumerate(requests):

@@ -208,6 +208,32 @@ def test_a_batch_of_json_rows_is_read_in_one_parse(tiny: Served) -> None:
     assert all(np.shares_memory(group[0].arrays["x"].base, i.arrays["x"]) for i in group)
 
 
+def test_alike_tensor_requests_make_one_group_checked_once(tiny: Served) -> None:
+    handler, context = tiny
+    xs = [rows(2, seed=s) for s in (41, 42, 43)]
+    requests = [InferenceRequest(inputs={"x": x}) for x in xs]
+
+    batch = handler.preprocess(requests)
+    responses = handler.handle(requests, context)
+
+    assert batch.errors == {}
+    assert [[(item.index, item.rows) for item in group] for group in batch.groups] == [
+        [(0, 2), (1, 2), (2, 2)]
+    ]
+    for x, response in zip(xs, responses, strict=True):
+        np.testing.assert_allclose(output(response), reference_output(x), rtol=1e-5, atol=1e-6)
+
+
+def test_alike_tensor_requests_the_model_refuses_each_fail_with_the_reason(tiny: Served) -> None:
+    handler, context = tiny
+    requests = [InferenceRequest(inputs={"x": np.ones((1, 5), np.float32)}) for _ in range(3)]
+
+    responses = handler.handle(requests, context)
+
+    assert [r.status for r in responses] == [400, 400, 400]
+    assert all("input 'x' has shape [1, 5]" in (r.error or "") for r in responses)
+
+
 @pytest.mark.parametrize(
     ("bodies", "bad", "phrase"),
     [
@@ -349,6 +375,16 @@ def test_model_without_signature_maps_a_generic_tensor_name(unsigned: Served) ->
     (response,) = handler.handle([InferenceRequest(inputs={"input0": x})], context)
 
     np.testing.assert_allclose(output(response), reference_output(x), rtol=1e-5, atol=1e-6)
+
+
+def test_model_without_signature_maps_the_name_of_alike_tensor_requests(unsigned: Served) -> None:
+    handler, context = unsigned
+    xs = [rows(1, seed=s) for s in (28, 29)]
+
+    responses = handler.handle([InferenceRequest(inputs={"input0": x}) for x in xs], context)
+
+    for x, response in zip(xs, responses, strict=True):
+        np.testing.assert_allclose(output(response), reference_output(x), rtol=1e-5, atol=1e-6)
 
 
 def test_model_without_signature_fails_only_the_group_it_rejects(unsigned: Served) -> None:
