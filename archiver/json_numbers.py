@@ -71,6 +71,11 @@ def array_from_text(text: bytes, dtype: np.dtype[Any]) -> np.ndarray | None:
     """The JSON text's top-level array as `dtype` (a float or integer dtype), with its nested
     shape; None when the text is anything else or is not valid JSON (the caller's general path
     then says what is wrong)."""
+    return _array(text, dtype, None)
+
+
+def _array(text: bytes, dtype: np.dtype[Any], arrays: int | None) -> np.ndarray | None:
+    """`array_from_text`, given the count of `[` in the text when the caller knows it."""
     try:
         document = simdjson.Parser().parse(text)
     except _FAILURES:
@@ -78,7 +83,9 @@ def array_from_text(text: bytes, dtype: np.dtype[Any]) -> np.ndarray | None:
     if not isinstance(document, simdjson.Array):
         return None
     shape = _shape(document)
-    if shape is None or text.count(b"[") != _arrays_in(shape):
+    if shape is None:
+        return None
+    if (text.count(b"[") if arrays is None else arrays) != _arrays_in(shape):
         return None
     return _read(document, shape, dtype)
 
@@ -107,7 +114,8 @@ def rows_from_texts(texts: Sequence[bytes], dtype: np.dtype[Any]) -> np.ndarray 
         if row[:1] != b"[" or row[-1:] != b"]" or row.count(b"[") != 1:
             return None
         rows.append(row)
-    array = array_from_text(b"[%s]" % b",".join(rows), dtype)
+    # One `[` in each text and the one around them: the joined text is not counted again.
+    array = _array(b"[%s]" % b",".join(rows), dtype, len(rows) + 1)
     if array is None or array.ndim != 2 or array.shape[0] != len(rows):
         return None
     return array
