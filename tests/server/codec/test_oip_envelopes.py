@@ -25,24 +25,23 @@ def _forget() -> Iterator[None]:
     oip_json._ENVELOPES.clear()
 
 
-def _general(body: bytes) -> oip_json.OipRequest | InvalidInput:
-    """The whole document decoded, nothing remembered."""
-    kept = dict(oip_json._ENVELOPES)
-    oip_json._ENVELOPES.clear()
+def _decoded(body: bytes, length: str | None = None) -> oip_json.OipRequest | InvalidInput:
     try:
-        return oip_json.decode_request(body, None, {})
+        return oip_json.decode_request(body, length, {})
     except InvalidInput as exc:
         return exc
+
+
+def _general(body: bytes, length: str | None = None) -> oip_json.OipRequest | InvalidInput:
+    """The whole request decoded, nothing remembered (and what was, kept for after)."""
+    memo = oip_json._ENVELOPES if length is None else oip_json._HEADERS
+    kept = dict(memo)
+    memo.clear()
+    try:
+        return _decoded(body, length)
     finally:
-        oip_json._ENVELOPES.clear()
-        oip_json._ENVELOPES.update(kept)
-
-
-def _decoded(body: bytes) -> oip_json.OipRequest | InvalidInput:
-    try:
-        return oip_json.decode_request(body, None, {})
-    except InvalidInput as exc:
-        return exc
+        memo.clear()
+        memo.update(kept)
 
 
 def _same(a: oip_json.OipRequest | InvalidInput, b: oip_json.OipRequest | InvalidInput) -> None:
@@ -279,25 +278,6 @@ def _binary(header: dict[str, Any], raw: bytes) -> tuple[bytes, str]:
     return text + raw, str(len(text))
 
 
-def _binary_alone(body: bytes, length: str) -> oip_json.OipRequest | InvalidInput:
-    kept = dict(oip_json._HEADERS)
-    oip_json._HEADERS.clear()
-    try:
-        return oip_json.decode_request(body, length, {})
-    except InvalidInput as exc:
-        return exc
-    finally:
-        oip_json._HEADERS.clear()
-        oip_json._HEADERS.update(kept)
-
-
-def _binary_decoded(body: bytes, length: str) -> oip_json.OipRequest | InvalidInput:
-    try:
-        return oip_json.decode_request(body, length, {})
-    except InvalidInput as exc:
-        return exc
-
-
 @pytest.fixture(autouse=True)
 def _forget_headers() -> Iterator[None]:
     oip_json._HEADERS.clear()
@@ -329,7 +309,7 @@ def test_a_remembered_header_decodes_as_the_whole_request(
     for extra in extras:  # the same header with as many bytes as it says, or more, or fewer
         raw = data.draw(st.binary(min_size=max(0, size + extra), max_size=max(0, size + extra)))
         body, length = _binary(header, raw)
-        _same(_binary_decoded(body, length), _binary_alone(body, length))
+        _same(_decoded(body, length), _general(body, length))
 
 
 def test_a_header_is_remembered_and_read_again_without_its_json() -> None:
