@@ -40,6 +40,11 @@ class Tolerance:
     """Largest |int8 - fp32| over every output value; None does not check it."""
     max_accuracy_drop: float = 0.01
     """With labels: fp32 top-1 accuracy minus int8 top-1 accuracy."""
+    min_cosine: float = 0.99
+    """For models whose output is a vector (embedders): the least cosine similarity between a
+    sample's int8 and fp32 vectors."""
+    measure: str = "top1"
+    """How agreement is judged: "top1" (classifiers) or "cosine" (embedders)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ class ValidationResult:
     top1_agreement: float | None = None
     fp32_accuracy: float | None = None
     int8_accuracy: float | None = None
+    min_cosine: float | None = None
+    """The least cosine similarity between a sample's int8 and fp32 output rows."""
 
 
 def max_abs_diff(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
@@ -133,6 +140,8 @@ def compare(
     result = ValidationResult(samples.rows, max_abs_diff(ref_out, int8_out))
     first = next(iter(int8_out))
     a, b = ref_out.get(first), int8_out[first]
+    if a is not None and a.ndim >= 2 and a.shape == b.shape:
+        result = replace(result, min_cosine=_least_cosine(a, b))
     if a is not None and a.ndim == 2 and a.shape[1] > 1:
         top_ref, top_int8 = a.argmax(1), b.argmax(1)
         result = replace(result, top1_agreement=float(np.mean(top_ref == top_int8)))
@@ -146,20 +155,36 @@ def compare(
     return result
 
 
-def check_tolerance(result: ValidationResult, tolerance: Tolerance) -> None:
-    """Raise QuantizationError naming the measure that is over its tolerance."""
+def _least_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    rows_a = a.reshape(a.shape[0], -1).astype(np.float64)
+    rows_b = b.reshape(b.shape[0], -1).astype(np.float64)
+    norms = np.linalg.norm(rows_a, axis=1) * np.linalg.norm(rows_b, axis=1)
+    cosines = (rows_a * rows_b).sum(axis=1) / np.maximum(norms, 1e-30)
+    return float(cosines.min())
+
+
+def check_tolerance(result: ValidationResult, tolerance: Tolerance, what: str = "int8") -> None:
+    """Raise QuantizationError naming the measure that is over its tolerance; `what` names the
+    converted model in the message."""
     n = result.samples
     fix = "loosen the tolerance only if that is acceptable, or serve the fp32 model"
-    agreement = result.top1_agreement
+    cosine = result.min_cosine
+    if tolerance.measure == "cosine" and cosine is not None and cosine < tolerance.min_cosine:
+        raise QuantizationError(
+            f"{what} refused: the cosine similarity of its output with fp32's falls to "
+            f"{cosine:.4f} on one of {n} validation samples, below the minimum "
+            f"{tolerance.min_cosine} (min cosine); {fix}"
+        )
+    agreement = result.top1_agreement if tolerance.measure == "top1" else None
     if agreement is not None and agreement < tolerance.min_top1_agreement:
         raise QuantizationError(
-            f"int8 refused: its top-1 class agrees with fp32 on {agreement:.2%} of {n} validation "
-            f"samples, below the minimum {tolerance.min_top1_agreement:.2%} "
+            f"{what} refused: its top-1 class agrees with fp32 on {agreement:.2%} of {n} "
+            f"validation samples, below the minimum {tolerance.min_top1_agreement:.2%} "
             f"(min top-1 agreement); {fix}"
         )
     if tolerance.max_abs_diff is not None and result.max_abs_diff > tolerance.max_abs_diff:
         raise QuantizationError(
-            f"int8 refused: max |int8 - fp32| on {n} validation samples is "
+            f"{what} refused: max |{what} - fp32| on {n} validation samples is "
             f"{result.max_abs_diff:.4g}, over the tolerance {tolerance.max_abs_diff:g} "
             f"(max abs diff); {fix}"
         )
@@ -167,7 +192,7 @@ def check_tolerance(result: ValidationResult, tolerance: Tolerance) -> None:
         drop = result.fp32_accuracy - result.int8_accuracy
         if drop > tolerance.max_accuracy_drop:
             raise QuantizationError(
-                f"int8 refused: top-1 accuracy falls from {result.fp32_accuracy:.2%} (fp32) to "
+                f"{what} refused: top-1 accuracy falls from {result.fp32_accuracy:.2%} (fp32) to "
                 f"{result.int8_accuracy:.2%} on {n} labelled samples, more than the allowed "
                 f"drop of {tolerance.max_accuracy_drop:.2%} (max accuracy drop); {fix}"
             )

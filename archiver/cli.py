@@ -127,8 +127,9 @@ def add_create_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--input-dtype",
-        default="FP32",
-        help="OIP datatype of TorchScript and .pt2 inputs (default FP32)",
+        default=None,
+        help="OIP datatype of TorchScript and .pt2 inputs (default: INT64 for a sample input "
+        "written as JSON integers, such as token ids, else FP32)",
     )
     add_pt2_arguments(parser)
     add_quantize_arguments(parser)
@@ -148,6 +149,21 @@ def add_pt2_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="largest batch (rows) the exported package takes (default: the config file's "
         f"batchSize, else {DEFAULT_MAX_BATCH}); for a user's package, at most its own bound",
+    )
+    group.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="longest sequence the exported package takes: dim 1 of the inputs shaped [batch, "
+        "seq] becomes dynamic from 1 to this (default: a Hugging Face model's "
+        "max_position_embeddings when the sample holds token ids; else fixed at the sample's)",
+    )
+    group.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="what the compiled model computes in, its inputs and outputs staying float32: bf16 "
+        "on CPUs with AVX512-BF16 or AMX and on GPUs, fp16 on GPUs; held to the accuracy guard "
+        "against fp32 on the validation samples (default fp32)",
     )
     group.add_argument(
         "--pt2-device",
@@ -198,6 +214,13 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="guard: largest |int8 - fp32| output value (default: not checked)",
+    )
+    group.add_argument(
+        "--min-cosine",
+        type=float,
+        default=defaults.min_cosine,
+        help="guard, for embedders (--handler text_embedder): least cosine similarity of an "
+        "int8 output vector with fp32's (default %(default)s)",
     )
     group.add_argument(
         "--max-accuracy-drop",

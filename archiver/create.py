@@ -41,6 +41,7 @@ from scriptserve.archiver.manifest import (
     format_for_file,
 )
 from scriptserve.archiver.model_file import probe_model
+from scriptserve.archiver.precision import check_precision, precision_problem
 from scriptserve.archiver.pt2_check import check_package
 from scriptserve.archiver.pt2_export import (
     DEFAULT_MAX_BATCH,
@@ -48,7 +49,9 @@ from scriptserve.archiver.pt2_export import (
     build_package,
     is_pt2_source,
     max_batch_from,
+    sequence_inputs,
 )
+from scriptserve.archiver.pt2_package import int8_isa
 from scriptserve.archiver.quantize import (
     STATIC_INT8,
     QuantizationError,
@@ -72,6 +75,7 @@ BUILTIN_HANDLERS = (
     "image_classifier",
     "text_generator",
     "text_classifier",
+    "text_embedder",
     "object_detector",
     "image_segmenter",
 )
@@ -87,7 +91,7 @@ def _extra_files(spec: str) -> list[Path]:
     return paths
 
 
-def _shape_sample(shapes: list[str], datatype: str) -> dict[str, np.ndarray]:
+def _shape_sample(shapes: list[str], datatype: str | None) -> dict[str, np.ndarray]:
     sample = {}
     rng = np.random.default_rng(0)
     for i, item in enumerate(shapes):
@@ -96,7 +100,7 @@ def _shape_sample(shapes: list[str], datatype: str) -> dict[str, np.ndarray]:
             shape = tuple(int(d) for d in dims.split(",") if d.strip())
         except ValueError:
             raise SignatureError(f"--input-shape {item!r}: use comma-separated integers") from None
-        array = rng.standard_normal((1, *shape)).astype(numpy_dtype(datatype))
+        array = rng.standard_normal((1, *shape)).astype(numpy_dtype(datatype or "FP32"))
         sample[name or f"input{i}"] = array
     return sample
 
@@ -113,6 +117,20 @@ def _load_sample(args: argparse.Namespace, fmt: ModelFormat) -> dict[str, np.nda
     if args.input_shape:
         return _shape_sample(args.input_shape, args.input_dtype)
     return None
+
+
+def _generated_sample(args: argparse.Namespace, signature: Signature, workdir: Path) -> Path:
+    """The sample an archive made with --input-shape keeps, so that its workers warm up: the
+    inputs the archiver ran, named by the signature, as `/predictions` JSON."""
+    arrays = list(_shape_sample(args.input_shape, args.input_dtype).values())
+    names = [t.name for t in signature.inputs]
+    if len(names) != len(arrays):
+        names = [f"input{i}" for i in range(len(arrays))]
+    rows = [np.round(a[0], 4).tolist() for a in arrays]
+    document: Any = rows[0] if len(rows) == 1 else dict(zip(names, rows, strict=True))
+    path = workdir / "sample.json"
+    path.write_text(json.dumps(document))
+    return path
 
 
 def _read_config(path: Path | None) -> dict[str, Any]:
@@ -152,11 +170,25 @@ def _quantize(
         model_file=args.model_file if eager else None,
         model_class=args.model_class,
     )
-    tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
+    tolerance = _tolerance(args)
     dst = workdir / f"{src.stem}.int8{'.onnx' if fmt == 'onnx' else '.pt'}"
     measured = quantize_model_file(src, dst, fmt, sample, options, validation, tolerance)
     report(measured.summary())
     return dst, measured.manifest_entry("archive")
+
+
+EMBEDDING_HANDLERS = ("text_embedder",)
+"""Handlers whose model answers with vectors: the accuracy guard compares them by cosine."""
+
+
+def _tolerance(args: argparse.Namespace) -> Tolerance:
+    return Tolerance(
+        min_top1_agreement=args.min_top1_agreement,
+        max_abs_diff=args.max_abs_diff,
+        max_accuracy_drop=args.max_accuracy_drop,
+        min_cosine=args.min_cosine,
+        measure="cosine" if args.handler in EMBEDDING_HANDLERS else "top1",
+    )
 
 
 def _pt2_source(args: argparse.Namespace) -> Pt2Source:
@@ -186,16 +218,20 @@ def _quantize_pt2(
 ) -> tuple[Path, Quantization, Pt2Info]:
     """Compile the int8 package of the model `fp32` was compiled from; print what it measured."""
     dst = workdir / f"{args.model_name}.int8.pt2"
-    tolerance = Tolerance(args.min_top1_agreement, args.max_abs_diff, args.max_accuracy_drop)
+    tolerance = _tolerance(args)
     max_batch = info.max_batch or DEFAULT_MAX_BATCH
     measured = quantize_pt2(
         _pt2_source(args), fp32, dst, sample, max_batch, args.quantize,
         QuantizeOptions(reduce_range=args.reduce_range), validation, tolerance,
+        max_seq_len=info.max_seq_len,
     )  # fmt: skip
-    report(f"{measured.summary()}; int8 kernels: {', '.join(measured.quantized_ops)}")
+    isa = int8_isa()
+    report(f"{measured.summary()}; int8 kernels ({isa}): {', '.join(measured.quantized_ops)}")
     checked = check_package(dst, sample, None, info.source, exported_bound=info.max_batch)
     compiled = measured.options.get("compileOptions", {})
-    return dst, measured.manifest_entry("archive"), replace(checked.info, compile_options=compiled)
+    built = replace(checked.info, compile_options=compiled, max_seq_len=info.max_seq_len)
+    entry = measured.manifest_entry("archive")
+    return dst, replace(entry, details={**entry.details, "isa": isa}), built
 
 
 def _pt2_model(
@@ -225,9 +261,38 @@ def _pt2_model(
     device = getattr(args, "pt2_device", "cpu")
     # An ExportedProgram keeps its own dynamic shapes: only the flag may lower its bound.
     max_batch = flag if exported_program else max_batch_from(flag, config)
-    build = build_package(source, sample, max_batch, dst, device)
+    max_seq_len: int | None = getattr(args, "max_seq_len", None)
+    precision: str = getattr(args, "precision", "fp32")
+    build = build_package(source, sample, max_batch, dst, device, max_seq_len, precision=precision)
     report(build.report)
     return build.package, build.signature, build.info
+
+
+def _check_precision(
+    args: argparse.Namespace,
+    package: Path,
+    info: Pt2Info,
+    sample: dict[str, np.ndarray],
+    validation: ValidationSamples | None,
+    report: Report,
+) -> Pt2Info:
+    """Hold a bf16/fp16 package to the accuracy guard against the fp32 model; what it measured
+    goes into the manifest."""
+    samples = validation or ValidationSamples(dict(sample))
+    checked = check_precision(
+        package, _pt2_source(args), samples, _tolerance(args), info.target.device
+    )
+    result = checked["validation"]
+    agreement = result.get("top1_agreement")
+    cosine = result.get("min_cosine")
+    report(
+        f"{info.precision}: on {result['samples']} samples, max |{info.precision} - fp32| "
+        f"{result['max_abs_diff']:.4g}"
+        + (f", top-1 agreement {agreement:.2%}" if agreement is not None else "")
+        + (f", least cosine {cosine:.4f}" if cosine is not None else "")
+        + f" ({checked['isa']})"
+    )
+    return replace(info, precision_check=checked)
 
 
 def create_archive(args: argparse.Namespace, report: Report) -> Path:
@@ -241,6 +306,20 @@ def _model_format(args: argparse.Namespace) -> ModelFormat:
     if getattr(args, "export_pt2", False) or is_pt2_source(args.serialized_file):
         return "pt2"
     return format_for_file(args.serialized_file.name)
+
+
+def _check_precision_flags(args: argparse.Namespace, quantize: bool) -> None:
+    """Refuse a --precision this machine or these flags cannot take, before compiling."""
+    precision: str = getattr(args, "precision", "fp32")
+    if precision == "fp32":
+        return
+    if quantize:
+        raise ArchiveError(
+            f"--precision {precision} and --quantize each make the package; choose one"
+        )
+    problem = precision_problem(precision, getattr(args, "pt2_device", "cpu"))
+    if problem is not None:
+        raise ArchiveError(problem)
 
 
 def _check_quantize(
@@ -292,7 +371,11 @@ def _model(
     model: Path = args.serialized_file
     quantization = Quantization()
     if fmt == "pt2":
+        _check_precision_flags(args, quantize)
         model, signature, pt2 = _pt2_model(args, sample, config, workdir, report)
+        if pt2.precision != "fp32":
+            assert sample is not None  # _pt2_model compiled with it
+            pt2 = _check_precision(args, model, pt2, sample, validation, report)
         if quantize:
             assert sample is not None  # _pt2_model compiled with it
             model, quantization, pt2 = _quantize_pt2(
@@ -305,7 +388,11 @@ def _model(
         elif not eager_source:
             probe_model(model, fmt, sample)  # the fp32 model must load and run first
         model, quantization = _quantize(args, fmt, sample, validation, workdir, report)
-    return model, probe_model(model, fmt, sample), quantization, None
+    signature = probe_model(model, fmt, sample)
+    if fmt == "torchscript" and getattr(args, "max_seq_len", None) and sample is not None:
+        # A TorchScript model takes any length its code allows: the flag says which dimension.
+        signature = signature.with_dynamic_dim(1, sequence_inputs(sample))
+    return model, signature, quantization, None
 
 
 def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> Path:
@@ -334,11 +421,14 @@ def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> 
         files[handler_path.name] = handler_path
         entry = handler.partition(":")[2]
         handler = handler_path.name + (f":{entry}" if entry else "")
+    sample_file: Path | None = args.sample_input
+    if sample_file is None and args.input_shape:
+        sample_file = _generated_sample(args, signature, workdir)
     optional = {
         "model": args.model_file,
         "requirements": args.requirements_file,
         "config": args.config_file,
-        "sample": args.sample_input,
+        "sample": sample_file,
     }
     for what, path in optional.items():
         if path is not None:
@@ -367,7 +457,7 @@ def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> 
             files={},
             signature=signature,
             quantization=quantization,
-            sample_input=args.sample_input.name if args.sample_input else None,
+            sample_input=sample_file.name if sample_file else None,
             validation_samples=validation_file.name if validation_file else None,
             pt2=pt2,
         ),

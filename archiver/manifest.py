@@ -158,7 +158,9 @@ class Pt2Target:
 class Pt2Info:
     """How a `.pt2` package (torch.export + AOTInductor) was built, and what serving it needs:
     the same torch release, the target device and instruction set, a batch of at most
-    `max_batch` rows (None: no bound was exported).
+    `max_batch` rows (None: no bound was exported) and, for a model of token sequences exported
+    with a dynamic sequence, at most `max_seq_len` positions (dim 1 of the inputs whose
+    signature leaves it -1).
 
     `source` says where the package came from: "package" (made by the user), "eager" (a model
     class and its state dict) or "exported-program" (saved with torch.export.save).
@@ -169,6 +171,12 @@ class Pt2Info:
     max_batch: int | None = None
     compile_options: dict[str, Any] = field(default_factory=dict)
     source: str = "package"
+    max_seq_len: int | None = None
+    precision: str = "fp32"
+    """The precision the compiled model computes in (archiver/precision.py); its inputs and
+    outputs stay float32."""
+    precision_check: dict[str, Any] = field(default_factory=dict)
+    """For bf16/fp16: the instructions used and the accuracy guard's figures against fp32."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -178,6 +186,11 @@ class Pt2Info:
             "compileOptions": dict(self.compile_options),
             "source": self.source,
         }
+        if self.max_seq_len is not None:
+            data["maxSeqLen"] = self.max_seq_len
+        if self.precision != "fp32":
+            data["precision"] = self.precision
+            data["precisionCheck"] = dict(self.precision_check)
         return data
 
     @classmethod
@@ -187,20 +200,24 @@ class Pt2Info:
         version = data.get("torchVersion")
         if not isinstance(version, str) or not version:
             raise ManifestError("manifest scriptserve.pt2.torchVersion is missing")
-        max_batch = data.get("maxBatch")
-        if max_batch is not None and (
-            not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1
-        ):
-            raise ManifestError("manifest scriptserve.pt2.maxBatch must be a positive integer")
+        bounds = {key: data.get(key) for key in ("maxBatch", "maxSeqLen")}
+        for key, bound in bounds.items():
+            if bound is not None and (
+                not isinstance(bound, int) or isinstance(bound, bool) or bound < 1
+            ):
+                raise ManifestError(f"manifest scriptserve.pt2.{key} must be a positive integer")
         options = data.get("compileOptions") or {}
         if not isinstance(options, dict):
             raise ManifestError("manifest scriptserve.pt2.compileOptions must be an object")
         return cls(
             torch_version=version,
             target=Pt2Target.from_dict(data.get("target")),
-            max_batch=max_batch,
+            max_batch=bounds["maxBatch"],
             compile_options=dict(options),
             source=str(data.get("source", "package")),
+            max_seq_len=bounds["maxSeqLen"],
+            precision=str(data.get("precision") or "fp32"),
+            precision_check=dict(data.get("precisionCheck") or {}),
         )
 
 

@@ -62,9 +62,7 @@ def load_eager_model(model_file: Path, weights: Path, class_name: str | None) ->
         )
     model = classes[class_name or next(iter(classes))]()
     try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
+        state = _read_state_dict(weights)
         model.load_state_dict(state)
     except Exception as exc:
         raise ModelFileError(
@@ -72,6 +70,27 @@ def load_eager_model(model_file: Path, weights: Path, class_name: str | None) ->
             f"{type(model).__name__} (read with weights_only=True): {error_line(exc)}"
         ) from None
     return model.eval()
+
+
+def _read_state_dict(weights: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a `torch.save` file (weights_only) or a `.safetensors` file (a Hugging
+    Face checkpoint, `model.safetensors`)."""
+    import torch
+
+    if weights.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ModelFileError(
+                f"{weights.name} is a safetensors file: pip install safetensors to read it"
+            ) from None
+        return load_file(str(weights), device="cpu")
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ModelFileError(f"{weights.name} holds a {type(state).__name__}, not a state dict")
+    return state
 
 
 _PAYLOAD_CONFIGS = ("data/weights/", "data/constants/")

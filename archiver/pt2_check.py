@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +48,30 @@ class Pt2Build:
     max_abs_diff: float | None = field(default=None, compare=False)
 
 
+def call_model(model: Any, named: Mapping[str, np.ndarray], device: str = "cpu") -> Any:
+    """`model` on the named arrays: an eager model by keyword, as model-archiver exports it;
+    an exported program's module (a GraphModule) in order, as it was exported."""
+    import torch
+
+    tensors = {n: torch.from_numpy(np.ascontiguousarray(a)).to(device) for n, a in named.items()}
+    if isinstance(model, torch.fx.GraphModule):
+        return model(*tensors.values())
+    return model(**tensors)
+
+
 def check_at_bound(
-    path: Path, model: Any, sample: Mapping[str, np.ndarray], bound: int, device: str
+    path: Path,
+    model: Any,
+    sample: Mapping[str, np.ndarray],
+    bound: int,
+    device: str,
+    seq: tuple[Collection[str], int] | None = None,
 ) -> None:
     """Run the package on `bound` rows and compare with the model. Inductor may write a lower
     bound into the generated input check than the exported one (15 for a small CNN exported
     for 64, whose outputs are right at 64): the exported bound is the one served, so it is
-    checked here."""
+    checked here. With `seq` (the sequence inputs and their bound), the rows are that long too:
+    the sample's positions repeated."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -62,24 +79,29 @@ def check_at_bound(
     rows = {}
     for name, array in sample.items():
         tiled = np.repeat(array[:1], bound, axis=0)
+        if seq is not None and name in seq[0]:
+            repeats = -(-seq[1] // tiled.shape[1])
+            tiled = np.concatenate([tiled] * repeats, axis=1)[:, : seq[1]]
         if array.dtype.kind == "f":  # rows that differ, around the sample's
             tiled += (rng.standard_normal(tiled.shape) * 0.1).astype(array.dtype)
         rows[name] = np.ascontiguousarray(tiled)
     package = read_package(path)
+    what = f"a batch of {bound} rows" + (f" of {seq[1]} positions" if seq else "")
     try:
-        _, outputs = _run_once(package, device, list(rows.values()), input_checks=False)
+        _, outputs = run_package(package, device, list(rows.values()), input_checks=False)
     except AotiError as exc:
-        raise ModelFileError(f"{path.name} failed on a batch of {bound} rows: {exc}") from None
+        raise ModelFileError(f"{path.name} failed on {what}: {exc}") from None
     with torch.no_grad():
-        expected = model(*(torch.from_numpy(a).to(device) for a in rows.values()))
+        expected = call_model(model, rows, device)
     for got, want in zip(outputs, tree_leaves(expected), strict=True):
         want_np = want.detach().float().cpu().numpy()
         diff = float(np.max(np.abs(got - want_np))) if got.size else 0.0
         scale = max(1.0, float(np.max(np.abs(want_np)))) if want_np.size else 1.0
         if not diff <= 1e-3 * scale:
+            lower = "--max-seq-len" if seq else "--max-batch"
             raise ModelFileError(
-                f"{path.name} differs from the model by {diff:.3g} on a batch of {bound} rows; "
-                "export it with a lower --max-batch"
+                f"{path.name} differs from the model by {diff:.3g} on {what}; export it with a "
+                f"lower {lower}"
             )
 
 
@@ -113,10 +135,11 @@ def _runtime_stderr_dropped() -> Iterator[None]:
         os.close(saved)
 
 
-def _run_once(
+def run_package(
     package: Pt2Package, device: str, inputs: list[np.ndarray], input_checks: bool = True
 ) -> tuple[tuple[str, ...], list[np.ndarray]]:
-    """(output names, outputs) of one run of the package on `inputs`, in the model's order."""
+    """(output names, outputs) of one run of the package on `inputs`, in the model's order, in
+    a container made for it."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="scriptserve-pt2-") as tmp:
@@ -199,7 +222,7 @@ def check_package(
         inputs = [np.concatenate([a, a]) for a in inputs]
         reference = None if reference is None else [np.concatenate([r, r]) for r in reference]
     try:
-        names, outputs = _run_once(package, device, inputs)
+        names, outputs = run_package(package, device, inputs)
     except AotiError as exc:
         raise ModelFileError(f"{path.name} failed on the sample input: {exc}") from None
     diff = None

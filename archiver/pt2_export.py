@@ -3,7 +3,12 @@ by the user; checked by archiver/pt2_check.py through the C ABI the server uses.
 
 `build_package` exports with a dynamic batch dimension, `Dim("batch", min=1, max=max_batch)`
 (exporting with a fixed batch and re-exporting later fails: the first export records a guard
-that the batch equals the example's), and compiles with
+that the batch equals the example's) and, for models of token sequences, a dynamic sequence
+dimension `Dim("seq", min=1, max=max_seq_len)` shared by every input shaped [batch, seq, ...]
+(`input_ids`, `attention_mask`, `token_type_ids`), so that a request is padded to its batch's
+longest row rather than to the sample's length. The bound is `--max-seq-len`, else a Hugging Face
+model's `config.max_position_embeddings` when the sample holds token ids. The model is called
+with its inputs by keyword, so a sample may name any of its forward's parameters. It compiles with
 `torch._inductor.aoti_compile_and_package`. fp32 models compile under `torch.no_grad()` with
 Inductor freezing, which prepacks linear weights for oneDNN: 1.25x faster on the bench MLP
 (Inductor freezes only while grad is off). The largest batch is `--max-batch`, else the model
@@ -22,7 +27,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +35,8 @@ import numpy as np
 
 from scriptserve.archiver.model_file import ModelFileError, error_line
 from scriptserve.archiver.model_source import load_eager_model, load_exported_program
-from scriptserve.archiver.pt2_check import Pt2Build, check_at_bound, check_package
+from scriptserve.archiver.precision import reduced
+from scriptserve.archiver.pt2_check import Pt2Build, call_model, check_at_bound, check_package
 from scriptserve.archiver.pt2_package import is_exported_program, portable_march
 
 if TYPE_CHECKING:
@@ -40,6 +46,34 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BATCH = 256
 BATCH_SIZE_KEYS = ("batchSize", "batch_size")
 """Model config keys whose value bounds the exported batch when --max-batch is not given."""
+
+
+def max_seq_len_from(flag: int | None, model: Any, sample: Mapping[str, np.ndarray]) -> int | None:
+    """The largest sequence to export for: the flag, else the `max_position_embeddings` of a
+    Hugging Face model's config when the sample holds token ids ([batch, seq] integers); None:
+    every dimension but the batch keeps the sample's size."""
+    if flag is not None:
+        if flag < 1:
+            raise ModelFileError("--max-seq-len must be at least 1")
+        return flag
+    token_ids = any(a.ndim == 2 and a.dtype.kind in "iu" for a in sample.values())
+    if not token_ids or not hasattr(model, "modules"):
+        return None
+    for module in model.modules():
+        bound = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        if isinstance(bound, int) and not isinstance(bound, bool) and bound > 1:
+            return bound
+    return None
+
+
+def sequence_inputs(sample: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """The inputs whose dim 1 is the sequence: every input of rank 2 or more whose dim 1 has
+    the length of the first such input's."""
+    shaped = [(n, a.shape[1]) for n, a in sample.items() if a.ndim >= 2]
+    if not shaped:
+        return ()
+    length = shaped[0][1]
+    return tuple(n for n, size in shaped if size == length)
 
 
 def max_batch_from(flag: int | None, config: Mapping[str, Any] | None) -> int:
@@ -80,11 +114,16 @@ def _bind(sample: Mapping[str, np.ndarray], names: list[str], what: str) -> dict
 
 
 def export_model(
-    model: torch.nn.Module, sample: Mapping[str, np.ndarray], max_batch: int, device: str = "cpu"
+    model: torch.nn.Module,
+    sample: Mapping[str, np.ndarray],
+    max_batch: int,
+    device: str = "cpu",
+    max_seq_len: int | None = None,
 ) -> ExportedProgram:
-    """torch.export of `model` on `sample`, dim 0 of every input dynamic up to `max_batch`."""
+    """torch.export of `model` on `sample`, called with its inputs by keyword: dim 0 of every
+    input dynamic up to `max_batch`, and with `max_seq_len`, dim 1 of the sequence inputs up to
+    it."""
     import torch
-    from torch.export import Dim
 
     params = inspect.signature(model.forward).parameters.values()
     names = [
@@ -101,16 +140,80 @@ def export_model(
     if max_batch > 1 and rows == {1}:
         # An example of one row would specialise the batch dimension to 1.
         tensors = {n: torch.cat([t, t]) for n, t in tensors.items()}
-    batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None
-    dynamic = tuple({0: batch} if batch is not None else None for _ in tensors)
+    dims = _dynamic_dims(named, max_batch, max_seq_len)
+    tensors = {n: _widen(t, dims[n]) for n, t in tensors.items()}
     model = model.to(device)
-    if not isinstance(model, torch.fx.GraphModule):  # an exported module refuses eval()
+    graph = isinstance(model, torch.fx.GraphModule)
+    if not graph:  # an exported module refuses eval()
         model.eval()
     try:
         with torch.no_grad():
-            return torch.export.export(model, tuple(tensors.values()), dynamic_shapes=dynamic)
+            if graph:  # an exported program's module takes its inputs in order, as exported
+                shapes = tuple(dims.values())
+                return torch.export.export(model, tuple(tensors.values()), dynamic_shapes=shapes)
+            return torch.export.export(model, (), kwargs=tensors, dynamic_shapes=dims)
     except Exception as exc:
-        raise ModelFileError(f"torch.export failed: {error_line(exc)}") from None
+        raise ModelFileError(
+            f"torch.export failed: {error_line(exc)}{_dtype_hint(exc, named)}"
+        ) from None
+
+
+def _dynamic_dims(
+    named: Mapping[str, np.ndarray], max_batch: int, max_seq_len: int | None
+) -> dict[str, dict[int, Any] | None]:
+    """export's dynamic_shapes, by input name: the batch, and the sequence when bounded."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None
+    sequences: tuple[str, ...] = ()
+    seq = None
+    if max_seq_len is not None and max_seq_len > 1:
+        sequences = sequence_inputs(named)
+        if not sequences:
+            raise ModelFileError(
+                "--max-seq-len needs inputs shaped [batch, sequence, ...]; the sample has none"
+            )
+        longest = max(named[n].shape[1] for n in sequences)
+        if longest > max_seq_len:
+            raise ModelFileError(
+                f"the sample's sequences have {longest} positions, more than --max-seq-len "
+                f"{max_seq_len}"
+            )
+        seq = Dim("seq", min=1, max=max_seq_len)
+    dims: dict[str, dict[int, Any] | None] = {}
+    for name in named:
+        dim: dict[int, Any] = {0: batch} if batch is not None else {}
+        if name in sequences:
+            dim[1] = seq
+        dims[name] = dim or None
+    return dims
+
+
+def _widen(tensor: torch.Tensor, dims: Mapping[int, Any] | None) -> torch.Tensor:
+    """A sequence of one position would specialise its dimension to 1: repeat it once."""
+    import torch
+
+    if dims and 1 in dims and tensor.shape[1] == 1:
+        return torch.cat([tensor, tensor], dim=1)
+    return tensor
+
+
+def _dtype_hint(exc: Exception, named: Mapping[str, np.ndarray]) -> str:
+    """What to do when the model refused the sample's dtypes."""
+    text = str(exc)
+    floats = [n for n, a in named.items() if a.dtype.kind == "f"]
+    integers = [n for n, a in named.items() if a.dtype.kind in "iu"]
+    if floats and ("Long, Int" in text or "indices" in text):
+        return (
+            f"; the sample's {', '.join(floats)} was read as floating point: write token ids "
+            "as JSON integers, or give --input-dtype INT64"
+        )
+    if integers and ("Float" in text or "scalar type" in text or "dtype" in text):
+        return (
+            f"; the sample's {', '.join(integers)} holds JSON integers, read as INT64: write "
+            "them with a decimal point (1.0), or give --input-dtype FP32"
+        )
+    return ""
 
 
 def compile_options() -> dict[str, Any]:
@@ -141,16 +244,45 @@ def compile_package(program: ExportedProgram, dst: Path, options: Mapping[str, A
     return Path(made)
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """The model a package is compiled from, as a module and as the program exported from it."""
+
+    module: Any
+    program: ExportedProgram
+    kind: str
+    """"eager" or "exported-program"."""
+    max_seq_len: int | None = None
+    """The sequence bound it was exported with; None: no dimension but the batch is dynamic."""
+
+
 def load_source(
-    source: Pt2Source, sample: Mapping[str, np.ndarray], max_batch: int | None, device: str = "cpu"
-) -> tuple[Any, ExportedProgram, str]:
-    """(the model as a module, its ExportedProgram, "eager" or "exported-program"). An eager
-    model is exported for batches of 1 to `max_batch` (None: DEFAULT_MAX_BATCH)."""
+    source: Pt2Source,
+    sample: Mapping[str, np.ndarray],
+    max_batch: int | None,
+    device: str = "cpu",
+    max_seq_len: int | None = None,
+    *,
+    precision: str = "fp32",
+) -> LoadedModel:
+    """The model, exported for batches of 1 to `max_batch` (None: DEFAULT_MAX_BATCH) and, for
+    models of token sequences, sequences of 1 to `max_seq_len` (None: the model config's
+    bound, where it has one), running in `precision` (archiver/precision.py); an
+    ExportedProgram keeps its own dynamic shapes and precision."""
     if source.model_file is not None:
         model = load_eager_model(source.model_file, source.weights, source.model_class)
-        return model, export_model(model, sample, max_batch or DEFAULT_MAX_BATCH, device), "eager"
+        seq = max_seq_len_from(max_seq_len, model, sample)
+        if precision != "fp32":
+            model = reduced(model, precision)
+        program = export_model(model, sample, max_batch or DEFAULT_MAX_BATCH, device, seq)
+        return LoadedModel(model, program, "eager", seq)
+    if precision != "fp32":
+        raise ModelFileError(
+            f"--precision {precision} converts the eager model: give its class (--model-file) "
+            "and state dict rather than an ExportedProgram"
+        )
     program = load_exported_program(source.weights)
-    return program.module(), program, "exported-program"
+    return LoadedModel(program.module(), program, "exported-program", program_seq_bound(program))
 
 
 def build_package(
@@ -159,23 +291,27 @@ def build_package(
     max_batch: int | None,
     dst: Path,
     device: str = "cpu",
+    max_seq_len: int | None = None,
+    *,
+    precision: str = "fp32",
 ) -> Pt2Build:
     """Export (or load) the model, compile it into `dst`, and check the package on `sample`
-    against the model it came from. An eager model is exported for batches of 1 to
-    `max_batch` (None: DEFAULT_MAX_BATCH); an ExportedProgram keeps its own dynamic shapes,
-    and `max_batch` may only lower its bound."""
+    against the model it came from, in `precision` (the caller's guard compares that with
+    fp32). An eager model is exported for batches of 1 to `max_batch` (None:
+    DEFAULT_MAX_BATCH) and sequences of 1 to `max_seq_len` (see `load_source`); an
+    ExportedProgram keeps its own dynamic shapes, and `max_batch` may only lower its bound."""
     import torch
     from torch.utils._pytree import tree_leaves
 
     started = time.perf_counter()
-    model, program, kind = load_source(source, sample, max_batch, device)
+    loaded = load_source(source, sample, max_batch, device, max_seq_len, precision=precision)
+    model, program, kind = loaded.module, loaded.program, loaded.kind
     options = compile_options() if device == "cpu" else {"freezing": True}
     compile_package(program, dst, options)
     seconds = time.perf_counter() - started
     named = _bind(sample, list(program.graph_signature.user_inputs), "the exported program")
     with torch.no_grad():
-        expected = model(*(torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                           for a in named.values()))  # fmt: skip
+        expected = call_model(model, named, device)
     reference = [t.detach().cpu().numpy() for t in tree_leaves(expected)]
     bound = program_batch_bound(program)
     if kind == "exported-program" and max_batch is not None:
@@ -183,16 +319,48 @@ def build_package(
     build = check_package(
         dst, named, None, kind, {**options, "noGrad": True}, reference, exported_bound=bound
     )
+    sequences = sequence_inputs(named) if loaded.max_seq_len is not None else ()
     if bound is not None and bound > 1:
         check_at_bound(dst, model, named, bound, device)
+    if sequences and loaded.max_seq_len is not None:
+        check_at_bound(dst, model, named, 2, device, seq=(sequences, loaded.max_seq_len))
     diff = "" if build.max_abs_diff is None else f", max |pt2 - {kind}| {build.max_abs_diff:.3g}"
     target = build.info.target
+    seq = "" if not sequences else f", sequences of 1 to {loaded.max_seq_len}"
     report = (
         f"pt2: compiled in {seconds:.1f} s for {target.isa or target.device} "
         f"({target.march or target.cuda_arch or 'default flags'}), batch 1 to "
-        f"{build.info.max_batch}{diff}"
+        f"{build.info.max_batch}{seq}{diff}"
     )
-    return Pt2Build(build.package, build.info, build.signature, report, build.max_abs_diff)
+    info = replace(
+        build.info, max_seq_len=loaded.max_seq_len if sequences else None, precision=precision
+    )
+    signature = build.signature.with_dynamic_dim(1, sequences)
+    return Pt2Build(build.package, info, signature, report, build.max_abs_diff)
+
+
+def program_seq_bound(program: ExportedProgram) -> int | None:
+    """The largest sequence (dim 1 of the first input of rank 2 or more) `program` was exported
+    for; None when that dimension is static or there is none."""
+    import sympy
+
+    for shape in _user_input_shapes(program):
+        if len(shape) < 2:
+            continue
+        size = shape[1]
+        if isinstance(size, int):
+            return None
+        ranges = program.range_constraints.get(size.node.expr)
+        if ranges is None or not isinstance(ranges.upper, (int, sympy.Integer)):
+            return None
+        return int(ranges.upper)
+    return None
+
+
+def _user_input_shapes(program: ExportedProgram) -> list[Any]:
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    user = set(program.graph_signature.user_inputs)
+    return [n.meta["val"].shape for n in placeholders if n.name in user and "val" in n.meta]
 
 
 def program_batch_bound(program: ExportedProgram) -> int | None:
@@ -200,9 +368,7 @@ def program_batch_bound(program: ExportedProgram) -> int | None:
     unbounded or static."""
     import sympy
 
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-    user = set(program.graph_signature.user_inputs)
-    shapes = [n.meta["val"].shape for n in placeholders if n.name in user and "val" in n.meta]
+    shapes = _user_input_shapes(program)
     if not shapes or not len(shapes[0]):
         return None
     batch = shapes[0][0]

@@ -243,6 +243,22 @@ def lacks_vnni(features: Collection[str] | None = None) -> bool:
     return "avx2" in features and not any(f in features for f in _VNNI)
 
 
+def int8_isa(features: Collection[str] | None = None) -> str:
+    """The instructions oneDNN's int8 kernels use on this CPU (or one with `features`): AMX's
+    tile multiplies, VNNI's u8 x s8 dot products, or plain AVX2/AVX-512."""
+    features = cpu_features() if features is None else features
+    for feature, name in (
+        ("amx_int8", "AMX"),
+        ("avx512_vnni", "AVX512-VNNI"),
+        ("avx_vnni", "AVX-VNNI"),
+        ("avx512_bw", "AVX512"),
+        ("avx2", "AVX2"),
+    ):
+        if feature in features:
+            return name
+    return "none"
+
+
 def torch_version() -> str:
     """The installed torch's version, without importing it."""
     torch = sys.modules.get("torch")

@@ -262,6 +262,7 @@ def quantize_pt2(
     options: QuantizeOptions | None = None,
     validation: ValidationSamples | None = None,
     tolerance: Tolerance | None = None,
+    max_seq_len: int | None = None,
 ) -> QuantizationReport:
     """Write the int8 `.pt2` package of the model `fp32_package` was compiled from (torchao's
     PT2E flow, archiver/int8/pt2.py) to `dst`, and measure it against `fp32_package` as
@@ -275,7 +276,7 @@ def quantize_pt2(
     with _removed_on_failure(dst):
         done = pt2_int8.convert(
             source, sample, dst, max_batch, static=mode == STATIC_INT8, validation=validation,
-            reduce_range=options.reduces_range(),
+            reduce_range=options.reduces_range(), max_seq_len=max_seq_len,
         )  # fmt: skip
         _need_quantized(done.kernels, done.ops, f"PT2E int8 converts {pt2_int8.CONVERTS}")
         conversion = Int8Conversion(

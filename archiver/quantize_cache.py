@@ -72,9 +72,10 @@ def load_request(
     if mode == "none":
         return None
     try:
-        tolerance = Tolerance(
-            **{v: float(config[k]) for k, v in _CONFIG_KEYS.items() if config.get(k) is not None}
-        )
+        limits: dict[str, Any] = {
+            v: float(config[k]) for k, v in _CONFIG_KEYS.items() if config.get(k) is not None
+        }
+        tolerance = Tolerance(**limits)
         options = QuantizeOptions(
             weight_type=str(config.get("quantizeWeightType", "qint8")),
             per_channel=bool(config.get("quantizePerChannel", False)),

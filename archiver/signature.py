@@ -9,7 +9,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +146,20 @@ class Signature:
             if len(accepted) < _ACCEPTED_KEPT:
                 accepted[(name, array.dtype, array.shape)] = None
 
+    def with_dynamic_dim(self, dim: int, names: Collection[str]) -> Signature:
+        """This signature with dimension `dim` of the inputs `names` any size (-1)."""
+        if not names:
+            return self
+        inputs = tuple(
+            TensorSpec(
+                t.name, t.datatype, tuple(-1 if i == dim else d for i, d in enumerate(t.shape))
+            )
+            if t.name in names
+            else t
+            for t in self.inputs
+        )
+        return Signature(inputs, self.outputs)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "inputs": [t.to_dict() for t in self.inputs],
@@ -161,12 +175,13 @@ class Signature:
 
 
 def arrays_from_json(
-    data: Any, signature: Signature, default_datatype: str = "FP32"
+    data: Any, signature: Signature, default_datatype: str | None = "FP32"
 ) -> dict[str, np.ndarray]:
     """Turn one JSON instance into a batch of one, named by the signature.
 
     A JSON array is one instance of the model's single input; a JSON object maps input names to
-    one instance each. Datatypes come from the signature, else `default_datatype`.
+    one instance each. Datatypes come from the signature, else `default_datatype`; None reads
+    an input whose numbers are all JSON integers as INT64 (token ids), any other as FP32.
 
     >>> arrays_from_json([1.0, 2.0], Signature((TensorSpec("x", "FP32", (-1, 2)),)))["x"].shape
     (1, 2)
@@ -190,7 +205,7 @@ def arrays_from_json(
         if signature.inputs and spec is None:
             known = ", ".join(t.name for t in signature.inputs)
             raise SignatureError(f"unknown input {name!r}; the model's inputs are {known}")
-        datatype = spec.datatype if spec else default_datatype
+        datatype = spec.datatype if spec else default_datatype or _json_datatype(value)
         try:
             array = np.asarray(value, dtype=numpy_dtype(datatype))
         except (ValueError, TypeError) as exc:
@@ -202,6 +217,21 @@ def arrays_from_json(
     if missing:
         raise SignatureError(f"missing input(s): {', '.join(missing)}")
     return arrays
+
+
+def _json_datatype(value: Any) -> str:
+    """INT64 for a JSON array whose numbers are all integers, else FP32."""
+    stack = [value]
+    seen = False
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            seen = True
+        else:
+            return "FP32"
+    return "INT64" if seen else "FP32"
 
 
 def arrays_from_text(text: bytes, signature: Signature) -> dict[str, np.ndarray] | None:

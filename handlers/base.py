@@ -330,7 +330,7 @@ def run_batch(
     except HandlerError as exc:
         return [InferenceResponse.failed(exc.message, exc.status) for _ in requests]
     except BackendError as exc:
-        return [InferenceResponse.failed(str(exc), 500) for _ in requests]
+        return [InferenceResponse.failed(str(exc), exc.status) for _ in requests]
     except Exception as exc:
         log.exception(
             "model=%s version=%s request_ids=%s the handler raised",

@@ -8,11 +8,17 @@ a FP32 tensor over OIP). Images go through the preprocessing the archive records
     {"grayscale": true, "invert": false, "resize": [32, 32], "resample": "bilinear",
      "scale": 0.00392156862745098, "mean": [0.3059], "std": [0.3241], "input": "x"}
 
-Labels come from `index_to_name.json` (`{"0": "cat", ...}`), else the class index. The answer to
-one image is `{label: probability}` for the `topk` most likely classes (model config `topk`,
-default 5, or the request parameter `topk`), most likely first; OIP responses carry the model's
-outputs (logits). All images of a batch run as one model call; an image that does not decode
-fails alone with 400.
+`"preset": "imagenet"` stands for what torchvision's and Hugging Face's ImageNet models expect:
+RGB, the shorter side resized to 256/224 of the model's size (`resize_shorter`), the centre
+cropped to the model's size (`center_crop`), ImageNet's mean and standard deviation. Keys given
+beside a preset override it. Without any preprocessing, the archive's signature decides: a model
+of 3-channel images ([-1, 3, H, W]) gets the ImageNet preset at its H x W, a model of 1-channel
+images greyscale resized to its H x W.
+
+Labels and `topk` as handlers/labels.py says. The answer to one image is `{label: probability}`
+for the `topk` most likely classes, most likely first; OIP responses carry the model's outputs
+(logits). All images of a batch run as one model call; an image that does not decode fails alone
+with 400.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,14 +41,33 @@ from scriptserve.handlers.base import (
     InferenceRequest,
     InferenceResponse,
 )
+from scriptserve.handlers.labels import DEFAULT_TOPK, read_labels, top_classes, topk
 
 log = logging.getLogger("handlers.image_classifier")
 
-DEFAULT_TOPK = 5
 # An image larger than this is refused before it is decoded (a decompression bomb guard that does
 # not touch Pillow's process-wide MAX_IMAGE_PIXELS).
 DEFAULT_MAX_PIXELS = 25_000_000
 _RESAMPLE = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_CROP_RATIO = 224 / 256
+"""The centre crop's share of the resized image in ImageNet evaluation (224 of 256)."""
+
+
+def preset(name: str, size: tuple[int, int] | None) -> dict[str, Any]:
+    """The preprocessing keys a preset stands for, for a model of `size` (height, width)."""
+    if name != "imagenet":
+        raise HandlerError(f"unknown preprocessing preset {name!r}; use 'imagenet'")
+    height, width = size or (224, 224)
+    return {
+        "grayscale": False,
+        "resize_shorter": round(min(height, width) / IMAGENET_CROP_RATIO),
+        "center_crop": [height, width],
+        "resample": "bilinear",
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+    }
 
 
 class BadInput(ValueError):
@@ -56,6 +81,9 @@ class Preprocessing:
     grayscale: bool = True
     invert: bool = False
     resize: tuple[int, int] | None = None  # (height, width)
+    resize_shorter: int | None = None
+    """Resize so that the shorter side has this many pixels, keeping the aspect ratio."""
+    center_crop: tuple[int, int] | None = None  # (height, width), after resize_shorter
     resample: str = "bilinear"
     scale: float = 1.0 / 255.0
     mean: tuple[float, ...] = (0.0,)
@@ -63,15 +91,21 @@ class Preprocessing:
     input: str | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Preprocessing:
+    def from_dict(cls, data: dict[str, Any], size: tuple[int, int] | None = None) -> Preprocessing:
+        """Preprocessing from its keys (a `preset` first, the other keys over it); `size` is
+        the model's (height, width), which a preset fits."""
+        if data.get("preset") is not None:
+            data = {**preset(str(data["preset"]), size), **data}
         try:
-            resize = data.get("resize")
-            if isinstance(resize, int):
-                resize = [resize, resize]
+            resize = _pair(data.get("resize"))
+            crop = _pair(data.get("center_crop"))
+            shorter = data.get("resize_shorter")
             pre = cls(
                 grayscale=bool(data.get("grayscale", True)),
                 invert=bool(data.get("invert", False)),
-                resize=(int(resize[0]), int(resize[1])) if resize else None,
+                resize=resize,
+                resize_shorter=int(shorter) if shorter else None,
+                center_crop=crop,
                 resample=str(data.get("resample", "bilinear")).lower(),
                 scale=float(data.get("scale", 1.0 / 255.0)),
                 mean=tuple(float(m) for m in data.get("mean", [0.0])),
@@ -92,6 +126,15 @@ class Preprocessing:
     @property
     def channels(self) -> int:
         return 1 if self.grayscale else 3
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    """(height, width) from [h, w] or one number for both; None for nothing."""
+    if not value:
+        return None
+    if isinstance(value, int):
+        return (value, value)
+    return (int(value[0]), int(value[1]))
 
 
 @dataclass
@@ -119,30 +162,31 @@ class ImageClassifierHandler(BaseHandler):
     def initialize(self, context: Context) -> None:
         super().initialize(context)
         config = context.model_config
-        pre_file = context.model_dir / "preprocessing.json"
-        if pre_file.is_file():
-            self.preprocessing = Preprocessing.from_dict(self._read_json(pre_file))
-        elif isinstance(config.get("preprocessing"), dict):
-            self.preprocessing = Preprocessing.from_dict(config["preprocessing"])
-        else:
-            self.preprocessing = Preprocessing()
-        names_file = context.model_dir / "index_to_name.json"
-        raw_names = self._read_json(names_file) if names_file.is_file() else {}
-        self.labels: dict[int, str] = {int(k): str(v) for k, v in raw_names.items()}
-        self.topk = int(config.get("topk", DEFAULT_TOPK))
-        self.max_pixels = int(config.get("max_image_pixels", DEFAULT_MAX_PIXELS))
         signature = context.signature
+        pre_file = context.model_dir / "preprocessing.json"
+        given: dict[str, Any] | None = None
+        if pre_file.is_file():
+            given = self._read_json(pre_file)
+        elif isinstance(config.get("preprocessing"), dict):
+            given = config["preprocessing"]
         self.input_name = (
-            self.preprocessing.input
+            (given or {}).get("input")
             or (signature.inputs[0].name if signature.inputs else None)
             or self.model.input_names[0]
         )
         spec = signature.input(self.input_name)
         shape = spec.shape[1:] if spec is not None else ()
-        if self.preprocessing.resize is None and len(shape) == 3 and min(shape) > 0:
-            self.preprocessing = Preprocessing.from_dict(
-                {**self._as_dict(self.preprocessing), "resize": [shape[1], shape[2]]}
-            )
+        image = len(shape) == 3 and min(shape) > 0
+        size = (shape[1], shape[2]) if image else None
+        if given is None and image and shape[0] == 3:
+            given = {"preset": "imagenet"}  # the signature says RGB: what ImageNet models take
+        self.preprocessing = Preprocessing.from_dict(given or {}, size)
+        pre = self.preprocessing
+        if size is not None and pre.resize is None and pre.center_crop is None:
+            self.preprocessing = replace(pre, resize=size)
+        self.labels = read_labels(context.model_dir)
+        self.topk = int(config.get("topk", DEFAULT_TOPK))
+        self.max_pixels = int(config.get("max_image_pixels", DEFAULT_MAX_PIXELS))
         self.instance_shape: tuple[int, ...] | None = shape if shape else None
 
     @staticmethod
@@ -154,14 +198,6 @@ class ImageClassifierHandler(BaseHandler):
         if not isinstance(data, dict):
             raise HandlerError(f"the archive's {path.name} must hold a JSON object")
         return data
-
-    @staticmethod
-    def _as_dict(pre: Preprocessing) -> dict[str, Any]:
-        return {
-            "grayscale": pre.grayscale, "invert": pre.invert, "resize": pre.resize,
-            "resample": pre.resample, "scale": pre.scale, "mean": list(pre.mean),
-            "std": list(pre.std), "input": pre.input,
-        }  # fmt: skip
 
     # -- preprocess ---------------------------------------------------------------------------
     def image_to_array(self, data: bytes) -> np.ndarray:
@@ -187,9 +223,19 @@ class ImageClassifierHandler(BaseHandler):
             ) from None
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             raise BadInput(f"the image does not decode ({exc}); send a valid image file") from None
+        resample = getattr(Image.Resampling, pre.resample.upper())
+        if pre.resize_shorter is not None:
+            width, height = converted.size
+            factor = pre.resize_shorter / min(width, height)
+            scaled = (max(1, round(width * factor)), max(1, round(height * factor)))
+            converted = converted.resize(scaled, resample)
+        if pre.center_crop is not None:
+            crop_h, crop_w = pre.center_crop
+            width, height = converted.size
+            left, top = (width - crop_w) // 2, (height - crop_h) // 2
+            converted = converted.crop((left, top, left + crop_w, top + crop_h))
         if pre.resize is not None:
             height_px, width_px = pre.resize
-            resample = getattr(Image.Resampling, pre.resample.upper())
             converted = converted.resize((width_px, height_px), resample)
         array = np.asarray(converted, dtype=np.float32)
         if pre.invert:
@@ -276,7 +322,7 @@ class ImageClassifierHandler(BaseHandler):
             outputs = self.model.run({self.input_name: feed})
         except BackendError as exc:
             for item in batch.items:
-                batch.errors[item.index] = InferenceResponse.failed(str(exc), 500)
+                batch.errors[item.index] = InferenceResponse.failed(str(exc), exc.status)
             batch.items = []
             return batch
         logits = next(iter(outputs.values()))
@@ -292,10 +338,7 @@ class ImageClassifierHandler(BaseHandler):
     # -- postprocess --------------------------------------------------------------------------
     def top_classes(self, logits: np.ndarray, k: int) -> dict[str, float]:
         """The k most likely classes of one row of scores, by label, most likely first."""
-        shifted = logits.astype(np.float64) - logits.max()
-        probs = np.exp(shifted) / np.exp(shifted).sum()
-        order = np.argsort(-probs, kind="stable")[: max(1, k)]
-        return {self.labels.get(int(c), str(int(c))): float(probs[c]) for c in order}
+        return top_classes(logits, k, self.labels)
 
     def postprocess(self, outputs: ImageBatch) -> list[InferenceResponse]:
         results: dict[int, InferenceResponse] = dict(outputs.errors)
@@ -305,9 +348,9 @@ class ImageClassifierHandler(BaseHandler):
             rows = outputs.logits[start : start + item.rows]
             start += item.rows
             try:
-                k = int(item.parameters.get("topk", self.topk))
-            except (TypeError, ValueError):
-                results[item.index] = InferenceResponse.failed("parameter topk must be an integer")
+                k = topk(item.parameters, self.topk)
+            except ValueError as exc:
+                results[item.index] = InferenceResponse.failed(str(exc))
                 continue
             answers = [self.top_classes(row, k) for row in rows]
             body: Any = answers[0] if len(answers) == 1 else answers

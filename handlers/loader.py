@@ -28,6 +28,8 @@ BUILTIN_HANDLERS: dict[str, str] = {
     "tensor": "scriptserve.handlers.tensor:TensorHandler",
     "image_classifier": "scriptserve.handlers.image_classifier:ImageClassifierHandler",
     "text_generator": "scriptserve.handlers.text_generator:TextGenerator",
+    "text_classifier": "scriptserve.handlers.text_classifier:TextClassifier",
+    "text_embedder": "scriptserve.handlers.text_embedder:TextEmbedder",
 }
 
 

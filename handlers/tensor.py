@@ -180,7 +180,7 @@ class TensorHandler(BaseHandler):
             except BackendError as exc:
                 # Only this group's requests fail: the others were batched apart from it.
                 for item in group:
-                    batch.errors[item.index] = InferenceResponse.failed(str(exc), 500)
+                    batch.errors[item.index] = InferenceResponse.failed(str(exc), exc.status)
                 continue
             total = sum(item.rows for item in group)
             for name, out in outputs.items():

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import headstart
 import pytest
 from testmodels import TinyMLP, reference_output, save_onnx, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
+
+if TYPE_CHECKING:
+    from zoo_archives import ZooStore
 
 __all__ = ["TinyMLP", "reference_output", "save_onnx", "save_torchscript"]
 
@@ -75,7 +79,7 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 
 # Session fixtures whose making takes minutes of child processes: what starts them in the
 # background (headstart.py) once collection shows they will be used.
-HEAD_STARTS = ("built_image", "runtime_venv")
+HEAD_STARTS = ("built_image", "runtime_venv", "zoo")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -104,6 +108,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import distribution
 
         headstart.start("runtime_venv", distribution.runtime_venv)
+    if "zoo" in used:
+        import zoo_archives
+
+        headstart.start("zoo", zoo_archives.build_zoo)
+
+
+@pytest.fixture(scope="session")
+def zoo() -> ZooStore:
+    """The zoo's small models and their archives (tests/zoo_archives.py)."""
+    import zoo_archives
+
+    return headstart.result("zoo", zoo_archives.build_zoo)
 
 
 def _fixtures(item: pytest.Item) -> list[str]:

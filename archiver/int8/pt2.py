@@ -184,6 +184,31 @@ def one_channel_convolutions(graph: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
+def drop_eval_dropout(graph: Any) -> int:
+    """Remove the no-op dropouts (`train=False`) an eval-mode export keeps (Hugging Face models
+    have one after every embedding and attention block); returns how many.
+
+    torchao's dynamic conversion looks for the `choose_qparams` of a linear's input among the
+    users of the node that feeds it; a dropout between them leaves it none to find, and
+    `convert_pt2e` fails ("No chose qparams node found for linear")."""
+    import torch
+
+    dropout = torch.ops.aten.dropout.default
+    removed = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target != dropout:
+            continue
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if train:
+            continue
+        node.replace_all_uses_with(node.args[0])
+        graph.graph.erase_node(node)
+        removed += 1
+    if removed:
+        graph.recompile()
+    return removed
+
+
 def _aten_ops(program: Any) -> list[str]:
     nodes = program.graph.nodes
     return sorted({str(n.target) for n in nodes if n.op == "call_function"})
@@ -197,10 +222,12 @@ def convert(
     static: bool = False,
     validation: ValidationSamples | None = None,
     reduce_range: bool = False,
+    max_seq_len: int | None = None,
 ) -> Pt2Int8:
     """Quantize the model of `source` (files, or a program exported with its dynamic batch)
     with torchao's PT2E flow and compile the int8 package `dst` for batches of 1 to
-    `max_batch`. QuantizationError when nothing is quantized (no package is compiled then) or
+    `max_batch` (and sequences of 1 to `max_seq_len`, for a model of token sequences).
+    QuantizationError when nothing is quantized (no package is compiled then) or
     the compiled code has no int8 kernels."""
     import torch
     import torchao
@@ -215,9 +242,10 @@ def convert(
     batches = list(_calibration(sample, validation, static, min(CALIBRATION_ROWS, max_batch)))
     if isinstance(source, Pt2Source):
         try:
-            _, program, kind = load_source(source, sample, max_batch)
+            loaded = load_source(source, sample, max_batch, max_seq_len=max_seq_len)
         except ModelFileError as exc:
             raise QuantizationError(str(exc)) from None
+        program, kind = loaded.program, loaded.kind
     else:
         program, kind = source, "exported-program"
     quantizer = X86InductorQuantizer()
@@ -227,9 +255,14 @@ def convert(
         )
     )
     graph = program.module()
+    drop_eval_dropout(graph)
     left_float = one_channel_convolutions(graph)
     for name in left_float:
         quantizer.set_module_name_qconfig(name, None)
+    # An int8 max-pool compiles into a fallback call through AOTInductor's proxy executor,
+    # which the C-ABI runtime does not provide; in fp32 it is a generated kernel, as fast.
+    quantizer.set_function_type_qconfig(torch.nn.functional.max_pool2d, None)
+    quantizer.set_module_type_qconfig(torch.nn.MaxPool2d, None)
     try:
         prepared = prepare_pt2e(graph, quantizer)
         move_exported_model_to_eval(prepared)
@@ -256,7 +289,7 @@ def convert(
     if not quantized:
         return Pt2Int8(dst, {}, 0, _aten_ops(program), options)
     try:
-        int8_program = export_model(converted, sample, max_batch)
+        int8_program = export_model(converted, sample, max_batch, max_seq_len=max_seq_len)
         compiled = compile_options()
         compile_package(int8_program, dst, compiled)
     except ModelFileError as exc:

@@ -24,6 +24,15 @@ from scriptserve.archiver.manifest import Manifest, ModelFormat
 class BackendError(RuntimeError):
     """A model that fails to load or to run; the message says what failed."""
 
+    status = 500
+
+
+class InputRejected(BackendError):
+    """Inputs the model cannot take (a sequence longer than it was exported for, say): the
+    request's fault, answered 400 with the message."""
+
+    status = 400
+
 
 class ModelBackend(Protocol):
     """A loaded model. `run` is called from worker threads, concurrently."""

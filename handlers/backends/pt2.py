@@ -46,7 +46,7 @@ from scriptserve.archiver.pt2_package import (
     read_package,
 )
 from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
-from scriptserve.handlers.backends import BackendError, parse_device
+from scriptserve.handlers.backends import BackendError, InputRejected, parse_device
 
 log = logging.getLogger("scriptserve.handlers.pt2")
 
@@ -142,6 +142,9 @@ class Pt2Backend:
         self._file = path.name
         self.max_batch = info.max_batch
         """The most rows one call may carry (the exported batch bound); None: no bound."""
+        self.max_seq_len = info.max_seq_len
+        """The most positions of a sequence input (dim 1 where the signature has -1 there);
+        None: the model takes no sequence of varying length."""
         self._cuda = kind == "cuda"
         if self._cuda:  # on CPU, torch is never imported: the C ABI needs only libtorch
             import torch
@@ -262,6 +265,13 @@ class Pt2Backend:
                     f"{list(spec.shape)} (-1 = any size)"
                 )
             rows.add(array.shape[0] if array.ndim else 1)
+            if self.max_seq_len is not None and len(spec.shape) > 1 and spec.shape[1] == -1:
+                length = array.shape[1]
+                if not 1 <= length <= self.max_seq_len:
+                    raise InputRejected(
+                        f"input {spec.name!r} has {length} positions; the .pt2 model takes 1 "
+                        f"to {self.max_seq_len} (its --max-seq-len): send shorter sequences"
+                    )
         if len(rows) != 1:
             raise BackendError("every input needs the same number of rows (dim 0)")
         batch = rows.pop()

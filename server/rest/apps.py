@@ -21,6 +21,7 @@ from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_route
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
 from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
+from scriptserve.server.rest.openai_embeddings import add_openai_routes
 from scriptserve.server.rest.protocol_routes import ProtocolRoutes
 from scriptserve.server.rest.shared_address import SharedAddress
 from scriptserve.server.rest.tracing import Traced
@@ -65,6 +66,7 @@ def http_apps(
     probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
     inference = create_inference_app(dataplane, settings)
     add_kserve_v1_routes(inference.app, dataplane)
+    add_openai_routes(inference.app, dataplane)
     add_repository_routes(inference.app, repository)
     # uvicorn's proxy-headers layer (the client's address and scheme from X-Forwarded-* when the
     # peer is a loopback proxy) runs where something reads them: outside the access log and

@@ -2,7 +2,8 @@
 
 TorchServe routes answer `{"code", "type", "message"}`; Open Inference Protocol routes answer
 `{"error": message}` as the spec says, and KServe v1 routes (`/v1/...`) the same, as KServe's
-model server does. The request guard (before routing) and the apps' error
+model server does; OpenAI's `/v1/embeddings` answers `{"error": {"message", "type", ...}}`, as
+OpenAI's API does. The request guard (before routing) and the apps' error
 handlers both answer with `error_body`: for every error, unknown routes and methods (404, 405)
 and unexpected failures (500) included.
 """
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from scriptserve.server.codec.openai_embeddings import PATH as OPENAI_EMBEDDINGS
 from scriptserve.server.errors import (
     InvalidInput,
     MethodNotAllowed,
@@ -27,6 +29,10 @@ from scriptserve.server.errors import (
 
 
 def error_body(path: str, error: ServingError) -> bytes:
+    if path == OPENAI_EMBEDDINGS:
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        detail = {"message": error.message, "type": kind, "param": None, "code": error.status}
+        return json.dumps({"error": detail}).encode()
     if path.startswith(("/v2", "/v1/")):
         return json.dumps({"error": error.message}).encode()
     body = {"code": error.status, "type": type(error).__name__, "message": error.message}

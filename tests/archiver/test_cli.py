@@ -69,7 +69,11 @@ def test_input_shape_without_sample_for_torchscript(models: Path, tmp_path: Path
     with open_archive(Path(done.stdout.strip())) as reader:
         signature = reader.manifest.signature
         assert reader.manifest.scriptserve is not None
-        assert reader.manifest.scriptserve.sample_input is None
+        # A sample is generated for the shape, so that the server's workers warm up on it.
+        assert reader.manifest.scriptserve.sample_input == "sample.json"
+        sample = json.loads((reader.root / "sample.json").read_text())
+        assert reader.verify().ok
+    assert len(sample) == 8 and all(isinstance(v, float) for v in sample)
     assert [(t.name, t.datatype, t.shape) for t in signature.inputs] == [("x", "FP32", (-1, 8))]
     assert [(t.name, t.shape) for t in signature.outputs] == [("output0", (-1, 3))]
 

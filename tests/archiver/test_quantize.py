@@ -253,6 +253,7 @@ def test_guard_measures_agreement_and_accuracy(mlp_pt: Path, tmp_path: Path) -> 
     [
         (Tolerance(min_top1_agreement=1.01), "top-1 class agrees with fp32"),
         (Tolerance(max_abs_diff=1e-9), "max |int8 - fp32|"),
+        (Tolerance(min_cosine=1.01, measure="cosine"), "cosine similarity of its output"),
         (Tolerance(min_top1_agreement=0.0, max_accuracy_drop=-0.5), "top-1 accuracy falls"),
     ],
 )

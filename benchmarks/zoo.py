@@ -1,0 +1,320 @@
+"""The zoo's models (examples/zoo.py) in every format scriptserve serves, on one machine, in one
+run: items/s in-process (the backend a worker calls, 2 threads) for `.pt2` fp32 and int8,
+TorchScript and ONNX; OpenVINO's in-process figure on the same model as the anchor to beat;
+and the `.pt2` archives served over HTTP (items/s, p50, p99). Each figure is also given as a
+fraction of the machine's measured peak (a GEMM microbenchmark, fp32 and int8).
+
+    python -m benchmarks.zoo                         # every model, full size (minutes each)
+    python -m benchmarks.zoo --models bert --size small --seconds 3
+
+Needs `pip install openvino` for the OpenVINO column (left out without it) and wrk for the
+served column (`apt-get install wrk`). Results: benchmarks/results/zoo-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.loadgen import run_wrk
+from benchmarks.report import write_results
+from benchmarks.servers import scriptserve
+from examples.zoo import ZOO, Built, build, built_in
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.pt2_check import call_model
+from scriptserve.archiver.pt2_package import cpu_features, int8_isa
+from scriptserve.handlers.backends import load_backend
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "build" / "zoo"
+TEXT_TOKENS = 128
+"""Tokens per text in the in-process runs (padded): BERT-base's usual serving length."""
+Runner = Callable[[], None]
+
+
+def cpu_line() -> str:
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+         if ln.startswith("model name")),
+        "unknown CPU",
+    )  # fmt: skip
+    features = set(cpu_features())
+    isa = [f for f in ("avx2", "avx512_f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+           if f in features]  # fmt: skip
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa)} (int8 kernels: {int8_isa()})"
+
+
+# -- the machine's peak ------------------------------------------------------------------------
+def _rate(call: Runner, seconds: float) -> float:
+    """Calls per second of `call` on two threads, each running it for `seconds`."""
+    counts = [0, 0]
+    stop = time.perf_counter() + seconds
+
+    def loop(i: int) -> None:
+        torch.set_num_threads(1)
+        while time.perf_counter() < stop:
+            call()
+            counts[i] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / seconds
+
+
+def gemm_peak(seconds: float) -> dict[str, float]:
+    """GFLOP/s of fp32 matrix multiplies and GOP/s of int8 ones (2 threads, 1024^3 each)."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    qa = torch.randint(-128, 127, (n, n), dtype=torch.int8)
+    qb = torch.randint(-128, 127, (n, n), dtype=torch.int8)
+    fp32 = _rate(lambda: torch.mm(a, b), seconds) * 2 * n**3 / 1e9
+    int8 = _rate(lambda: torch._int_mm(qa, qb), seconds) * 2 * n**3 / 1e9
+    return {"fp32_gflops": fp32, "int8_gops": int8}
+
+
+# -- the models ---------------------------------------------------------------------------------
+def files(name: str, size: str) -> Built:
+    root = WORK / size / name
+    if (root / "weights.pt").is_file():
+        return built_in(name, root)
+    return build(name, root, size=size)
+
+
+def archive(built: Built, label: str, store: Path, *extra: str) -> Path:
+    path = store / f"{label}.mar"
+    if path.is_file():
+        return path
+    argv = built.archiver_args(label, store, "--max-batch", "32", *extra)
+    with contextlib.redirect_stdout(io.StringIO()):
+        if model_archiver_main(argv) != 0:
+            raise SystemExit(f"model-archiver failed for {label}")
+    return path
+
+
+def batch_inputs(built: Built, batch: int) -> dict[str, np.ndarray]:
+    """`batch` rows of the validation samples; texts padded (or cut) to TEXT_TOKENS."""
+    with np.load(built.validation) as data:
+        inputs = {n: data[n][:batch] for n in data.files}
+    if built.model.kind == "text":
+        for n, a in inputs.items():
+            padded = np.zeros((a.shape[0], TEXT_TOKENS), np.int64)
+            padded[:, : min(TEXT_TOKENS, a.shape[1])] = a[:, :TEXT_TOKENS]
+            if n == "attention_mask":
+                padded[:, a.shape[1] :] = 0
+            inputs[n] = padded
+    return inputs
+
+
+def eager_model(built: Built) -> Any:
+    from scriptserve.archiver.model_source import load_eager_model
+
+    return load_eager_model(built.model_file, built.weights, built.model.model_class)
+
+
+def flops_per_item(built: Built, inputs: Mapping[str, np.ndarray]) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    one = {n: a[:1] for n, a in inputs.items()}
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        call_model(eager_model(built), one)
+    return float(counter.get_total_flops())
+
+
+def torchscript_file(built: Built, inputs: Mapping[str, np.ndarray]) -> Path:
+    path = built.root / f"{built.model.name}.pt"
+    if not path.is_file():
+        example = {n: torch.from_numpy(a[:2]) for n, a in inputs.items()}
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.jit.trace(eager_model(built), example_kwarg_inputs=example, strict=False).save(
+                str(path)
+            )
+    return path
+
+
+def onnx_file(built: Built, inputs: Mapping[str, np.ndarray]) -> Path:
+    path = built.root / f"{built.model.name}.onnx"
+    if not path.is_file():
+        names = list(inputs)
+        text = built.model.kind == "text"
+        axes = {n: {0: "batch", 1: "seq"} if text else {0: "batch"} for n in names}
+        example = {n: torch.from_numpy(a[:2]) for n, a in inputs.items()}
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                eager_model(built), (), str(path), kwargs=example, input_names=names,
+                output_names=["output0"], dynamic_axes={**axes, "output0": {0: "batch"}},
+                dynamo=False,
+            )  # fmt: skip
+    return path
+
+
+def backend_rate(path: Path, fmt: str, inputs: Mapping[str, np.ndarray], seconds: float) -> float:
+    """Items/s of the backend a worker uses (2 threads, one intra-op thread each)."""
+    manifest = None
+    if fmt == "pt2":
+        with open_archive(path) as reader:
+            manifest = reader.manifest
+            package = reader.root / str(manifest.model.serialized_file)
+            backend = load_backend(package, "pt2", manifest=manifest, workers=2)
+            backend.run(inputs)
+            return _rate(lambda: backend.run(inputs), seconds) * _rows(inputs)
+    backend = load_backend(path, fmt, intra_op_threads=1, options={}, workers=2)  # type: ignore[arg-type]
+    backend.run(inputs)
+    return _rate(lambda: backend.run(inputs), seconds) * _rows(inputs)
+
+
+def _rows(inputs: Mapping[str, np.ndarray]) -> int:
+    return int(next(iter(inputs.values())).shape[0])
+
+
+def openvino_rate(built: Built, inputs: Mapping[str, np.ndarray], seconds: float) -> float | None:
+    """Items/s of OpenVINO on the same model (its default precision for this CPU, 2 requests
+    in flight), or None without openvino installed."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    example = {n: torch.from_numpy(a) for n, a in inputs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = ov.convert_model(eager_model(built), example_input=example)
+    compiled = ov.Core().compile_model(
+        converted, "CPU", {"PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": 2}
+    )
+    queue = ov.AsyncInferQueue(compiled, 2)
+    feed = list(inputs.values())
+    done = 0
+
+    def finished(request: Any, userdata: Any) -> None:
+        nonlocal done
+        done += 1
+
+    queue.set_callback(finished)
+    for _ in range(4):
+        queue.start_async(feed)
+    queue.wait_all()
+    done = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        queue.start_async(feed)
+    queue.wait_all()
+    return done * _rows(inputs) / (time.perf_counter() - started)
+
+
+# -- served ---------------------------------------------------------------------------------
+def served(archive_path: Path, built: Built, seconds: float) -> dict[str, float]:
+    """The archive behind a real server (2 workers), 8 connections of one item each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        store.mkdir()
+        (store / archive_path.name).symlink_to(archive_path)
+        body = Path(tmp) / "body"
+        if built.model.kind == "image":
+            from PIL import Image
+
+            Image.new("RGB", (320, 240), (120, 80, 200)).save(body, format="JPEG")
+            headers = {"Content-Type": "image/jpeg"}
+        else:
+            body.write_text("the quick brown fox jumps over the lazy dog " * 10)
+            headers = {"Content-Type": "text/plain"}
+        name = archive_path.stem
+        with scriptserve("scriptserve", store, name, 2, 1, 32) as server:
+            run_wrk(f"{server.url}/predictions/{name}", 8, 2, 2, body, headers)
+            load = run_wrk(f"{server.url}/predictions/{name}", 8, seconds, 2, body, headers)
+    if load.errors:
+        raise RuntimeError(f"{name}: {load.errors} errors under load")
+    return {"items_s": load.rps, "p50_ms": load.p50_ms, "p99_ms": load.p99_ms}
+
+
+def measure(
+    name: str, size: str, batch: int, seconds: float, peak: dict[str, float]
+) -> dict[str, Any]:
+    built = files(name, size)
+    store = WORK / size / "store"
+    inputs = batch_inputs(built, batch)
+    mode = built.model.quantize[0]
+    fp32 = archive(built, name, store)
+    int8 = archive(built, f"{name}-int8", store, "--quantize", mode)
+    rows: dict[str, Any] = {
+        ".pt2 fp32": backend_rate(fp32, "pt2", inputs, seconds),
+        f".pt2 {mode}": backend_rate(int8, "pt2", inputs, seconds),
+        "TorchScript": backend_rate(
+            torchscript_file(built, inputs), "torchscript", inputs, seconds
+        ),
+        "ONNX Runtime": backend_rate(onnx_file(built, inputs), "onnx", inputs, seconds),
+    }
+    ov = openvino_rate(built, inputs, seconds)
+    if ov is not None:
+        rows["OpenVINO"] = ov
+    flops = flops_per_item(built, inputs)
+    with open_archive(int8) as reader:
+        quantization = reader.manifest.scriptserve.quantization  # type: ignore[union-attr]
+    return {
+        "model": name,
+        "batch": batch,
+        "gflop_per_item": flops / 1e9,
+        "in_process_items_s": rows,
+        "fp32_peak_share": {k: v * flops / 1e9 / peak["fp32_gflops"] for k, v in rows.items()},
+        "int8_validation": quantization.details.get("validation"),
+        "served": {
+            ".pt2 fp32": served(fp32, built, seconds),
+            f".pt2 {mode}": served(int8, built, seconds),
+        },
+    }
+
+
+def report(results: list[dict[str, Any]], peak: dict[str, float]) -> None:
+    print(f"peak: fp32 {peak['fp32_gflops']:.0f} GFLOP/s, int8 {peak['int8_gops']:.0f} GOP/s")
+    for r in results:
+        print(f"\n{r['model']} (batch {r['batch']}, {r['gflop_per_item']:.2f} GFLOP per item)")
+        for label, rate in r["in_process_items_s"].items():
+            share = r["fp32_peak_share"][label]
+            print(f"  in-process {label:<18}{rate:>9.1f} items/s  {share:>6.1%} of fp32 peak")
+        for label, s in r["served"].items():
+            print(f"  served     {label:<18}{s['items_s']:>9.1f} items/s  "
+                  f"p50 {s['p50_ms']:.1f} ms  p99 {s['p99_ms']:.1f} ms")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(ZOO))
+    parser.add_argument("--size", choices=["full", "small"], default="full")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(WORK / "inductor-cache"))
+    print(cpu_line(), file=sys.stderr)
+    peak = gemm_peak(min(args.seconds, 5.0))
+    results = [
+        measure(name, args.size, args.batch, args.seconds, peak) for name in args.models.split(",")
+    ]
+    report(results, peak)
+    write_results(
+        "zoo",
+        {"cpu": cpu_line(), "size": args.size, "peak": peak, "torch": torch.__version__,
+         "results": results},
+    )  # fmt: skip
+    print(json.dumps({"cpu": cpu_line()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`--precision bf16|fp16`: refused where the CPU would emulate bfloat16, and otherwise a
+package that computes in bfloat16 behind float32 inputs and outputs, held to the accuracy guard
+against fp32. The package is built here through the same calls model-archiver makes, since this
+machine's CPU may lack bfloat16 instructions (where it has them, the CLI test builds it too)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pt2models import TESTS, TINY_MAX_BATCH, inductor_cache
+from testmodels import TinyMLP
+
+from scriptserve.archiver.accuracy import QuantizationError, Tolerance, ValidationSamples
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.precision import (
+    check_precision,
+    precision_isa,
+    precision_problem,
+    reduced,
+)
+from scriptserve.archiver.pt2_check import PackageRunner
+from scriptserve.archiver.pt2_export import Pt2Source, build_package
+from scriptserve.archiver.pt2_package import read_package
+
+AVX2 = ("avx", "avx2", "fma3")
+
+
+@pytest.mark.parametrize(
+    ("precision", "features", "problem"),
+    [
+        ("fp32", AVX2, None),
+        ("bf16", (*AVX2, "avx512_f", "avx512_bf16"), None),
+        ("bf16", (*AVX2, "amx_int8", "amx_bf16"), None),
+        ("bf16", AVX2, "needs a CPU with AVX512-BF16 or AMX"),
+        ("bf16", (*AVX2, "avx512_f", "avx512_vnni"), "needs a CPU with AVX512-BF16 or AMX"),
+        ("fp16", (*AVX2, "amx_bf16"), "fp16 is for GPUs"),
+    ],
+)
+def test_bf16_needs_the_cpus_bfloat16_instructions(
+    precision: str, features: tuple[str, ...], problem: str | None
+) -> None:
+    found = precision_problem(precision, "cpu", features)
+    assert (found is None) if problem is None else (problem in (found or ""))
+
+
+def test_the_isa_recorded_is_the_best_bfloat16_one() -> None:
+    assert precision_isa((*AVX2, "avx512_bf16", "amx_bf16")) == "AMX-BF16"
+    assert precision_isa((*AVX2, "avx512_bf16")) == "AVX512-BF16"
+    assert precision_isa(AVX2) is None
+
+
+def test_the_reduced_model_keeps_its_signature_and_float32_at_its_edges() -> None:
+    model = reduced(TinyMLP().eval(), "bf16")
+    x = torch.randn(4, 8)
+
+    out = model(x=x)
+
+    assert out.dtype == torch.float32
+    assert list(__import__("inspect").signature(model.forward).parameters) == ["x"]
+    torch.testing.assert_close(out, TinyMLP().eval()(x), atol=0.05, rtol=0.05)
+
+
+def test_a_bf16_package_computes_in_bfloat16_and_passes_the_guard(tmp_path: Path) -> None:
+    torch.save(TinyMLP().state_dict(), tmp_path / "weights.pt")
+    source = Pt2Source(tmp_path / "weights.pt", TESTS / "testmodels.py", "TinyMLP")
+    sample = {"x": np.full((1, 8), 0.5, np.float32)}
+    with inductor_cache():
+        build = build_package(source, sample, TINY_MAX_BATCH, tmp_path / "m.pt2", precision="bf16")
+
+    assert build.info.precision == "bf16"
+    assert [t.datatype for t in build.signature.inputs] == ["FP32"]  # clients still send fp32
+    x = np.random.default_rng(0).standard_normal((200, 8)).astype(np.float32)
+    samples = ValidationSamples({"x": x})
+    checked = check_precision(build.package, source, samples, Tolerance(min_top1_agreement=0.9))
+    validation = checked["validation"]
+    assert validation["top1_agreement"] >= 0.9 and validation["max_abs_diff"] > 0
+    out = PackageRunner(build.package)({"x": x})["output0"]
+    assert out.dtype == np.float32
+    assert "bfloat16" in read_package(build.package).wrapper  # kernels compute in bfloat16
+    with pytest.raises(QuantizationError, match="bf16/fp16 refused: max"):
+        check_precision(build.package, source, samples, Tolerance(max_abs_diff=1e-9))
+
+
+def test_model_archiver_builds_bf16_only_where_the_cpu_has_it(tmp_path: Path) -> None:
+    torch.save(TinyMLP().state_dict(), tmp_path / "weights.pt")
+    (tmp_path / "sample.json").write_text(json.dumps([0.5] * 8))
+    with inductor_cache():
+        done = subprocess.run(
+            [
+                "model-archiver", "--model-name", "m", "--version", "1", "--export-pt2",
+                "--model-file", str(TESTS / "testmodels.py"), "--model-class", "TinyMLP",
+                "--serialized-file", str(tmp_path / "weights.pt"),
+                "--sample-input", str(tmp_path / "sample.json"), "--precision", "bf16",
+                "--min-top1-agreement", "0", "--export-path", str(tmp_path),
+            ],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+
+    assert "Traceback" not in done.stderr
+    if precision_isa() is None:  # this CPU would emulate bfloat16: refused, with what to do
+        assert done.returncode == 1
+        assert "--precision bf16 needs a CPU with AVX512-BF16 or AMX" in done.stderr
+        assert not (tmp_path / "m.mar").exists()
+        return
+    assert done.returncode == 0, done.stderr
+    with open_archive(tmp_path / "m.mar") as reader:
+        pt2 = reader.manifest.scriptserve.pt2  # type: ignore[union-attr]
+    assert pt2 is not None and pt2.precision == "bf16"
+    assert pt2.precision_check["isa"] in ("AMX-BF16", "AVX512-BF16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_gpu_package_in_half_precision_passes_the_guard(tmp_path: Path, precision: str) -> None:
+    torch.save(TinyMLP().state_dict(), tmp_path / "weights.pt")
+    (tmp_path / "sample.json").write_text(json.dumps([0.5] * 8))
+    with inductor_cache():
+        done = subprocess.run(
+            [
+                "model-archiver", "--model-name", "m", "--version", "1", "--export-pt2",
+                "--model-file", str(TESTS / "testmodels.py"), "--model-class", "TinyMLP",
+                "--serialized-file", str(tmp_path / "weights.pt"), "--pt2-device", "cuda",
+                "--sample-input", str(tmp_path / "sample.json"), "--precision", precision,
+                "--min-top1-agreement", "0", "--export-path", str(tmp_path),
+            ],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    with open_archive(tmp_path / "m.mar") as reader:
+        pt2 = reader.manifest.scriptserve.pt2  # type: ignore[union-attr]
+    assert pt2 is not None and pt2.precision == precision
+    assert pt2.target.device == "cuda"

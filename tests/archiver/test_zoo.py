@@ -1,0 +1,167 @@
+"""The zoo's models (examples/zoo.py, small sizes) through model-archiver in every format:
+`.pt2` fp32 and int8, TorchScript and ONNX. Each archive answers as the eager model does, within
+the tolerance its format allows; int8 packages run oneDNN's int8 kernels with no operator left
+to a proxy executor, and agree with fp32 on the validation samples."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from zoo_archives import ZooStore, zoo_onnx, zoo_reference, zoo_torchscript
+
+from scriptserve.archiver.archive import open_archive
+from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.pt2_package import read_package
+from scriptserve.handlers.base import Context, InferenceRequest, run_batch
+from scriptserve.handlers.image_classifier import IMAGENET_MEAN, IMAGENET_STD
+from scriptserve.handlers.loader import load_handler, read_model_config
+
+
+def served(archive: Path, *requests: InferenceRequest) -> list[object]:
+    with open_archive(archive) as reader:
+        manifest = reader.manifest
+        config = read_model_config(reader.root, manifest)
+        context = Context(manifest.model.model_name, "1.0", reader.root, manifest, config)
+        return list(run_batch(load_handler(context), list(requests), context))
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def imagenet(data: bytes, side: int) -> np.ndarray:
+    """ImageNet evaluation preprocessing, written out: shorter side to side*256/224, centre
+    crop, scale, normalise."""
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    short = round(side / (224 / 256))
+    w, h = image.size
+    image = image.resize((round(w * short / min(w, h)), round(h * short / min(w, h))),
+                         Image.Resampling.BILINEAR)  # fmt: skip
+    w, h = image.size
+    left, top = (w - side) // 2, (h - side) // 2
+    image = image.crop((left, top, left + side, top + side))
+    array = np.asarray(image, np.float32).transpose(2, 0, 1) / 255.0
+    mean = np.array(IMAGENET_MEAN, np.float32).reshape(3, 1, 1)
+    std = np.array(IMAGENET_STD, np.float32).reshape(3, 1, 1)
+    return ((array - mean) / std)[None]
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit"])
+def test_an_rgb_model_gets_imagenet_preprocessing_from_its_signature(
+    zoo: ZooStore, name: str
+) -> None:
+    """No preprocessing.json: the signature's [-1, 3, 32, 32] says RGB at 32 x 32."""
+    archive = zoo.archive(name)
+    images = [jpeg(64, 48, 0), jpeg(40, 90, 1)]
+
+    answers = served(archive, *(InferenceRequest(body=b) for b in images))
+
+    for data, answer in zip(images, answers, strict=True):
+        assert answer.error is None, answer.error  # type: ignore[attr-defined]
+        expected = zoo_reference(zoo.model(name), {"pixel_values": imagenet(data, 32)})
+        logits = answer.outputs["output0"]  # type: ignore[attr-defined]
+        np.testing.assert_allclose(logits, expected, atol=1e-4)
+    with open_archive(archive) as reader:
+        # --input-shape made the archive; its generated sample is kept for the warm-up.
+        assert reader.manifest.scriptserve is not None
+        assert reader.manifest.scriptserve.sample_input == "sample.json"
+        assert np.asarray(json.loads((reader.root / "sample.json").read_text())).shape == (
+            3,
+            32,
+            32,
+        )
+
+
+def test_static_int8_resnet_runs_int8_convolutions_and_no_proxy_calls(zoo: ZooStore) -> None:
+    archive = zoo.archive("resnet50", "static-int8")  # --min-top1-agreement 0.9: zoo_archives.py
+
+    with open_archive(archive) as reader:
+        manifest = reader.manifest
+        package = read_package(reader.root / manifest.model.serialized_file)  # type: ignore[operator]
+    assert manifest.scriptserve is not None
+    quantization = manifest.scriptserve.quantization
+    assert quantization.mode == "static-int8"
+    assert not package.uses_proxy_executor()
+    kernels = quantization.details["quantizedOps"]
+    assert any(k.startswith("aoti_torch_cpu__qconv") for k in kernels), kernels
+    validation = quantization.details["validation"]
+    assert validation["top1_agreement"] >= 0.9 and validation["min_cosine"] >= 0.99
+    assert quantization.details["isa"] in ("AMX", "AVX512-VNNI", "AVX-VNNI", "AVX2", "AVX512")
+
+
+def test_dynamic_int8_embedder_keeps_its_sequence_bound_and_its_vectors_direction(
+    zoo: ZooStore,
+) -> None:
+    archive = zoo.archive("embedder", "dynamic-int8")
+    with open_archive(archive) as reader:
+        manifest = reader.manifest
+    assert manifest.scriptserve is not None and manifest.scriptserve.pt2 is not None
+    assert manifest.scriptserve.pt2.max_seq_len == 64
+    quantization = manifest.scriptserve.quantization
+    assert any("qlinear" in k for k in quantization.details["quantizedOps"])
+    # An embedder is guarded by cosine similarity, not by the argmax of its vector.
+    assert quantization.details["validation"]["min_cosine"] >= 0.99
+    texts = [b"the quick brown fox", b"music film book " * 10]
+    fp32 = served(zoo.archive("embedder"), *(InferenceRequest(body=t) for t in texts))
+    int8 = served(archive, *(InferenceRequest(body=t) for t in texts))
+    for a, b in zip(fp32, int8, strict=True):
+        assert float(np.dot(a.body, b.body)) >= 0.99  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+@pytest.mark.parametrize("name", ["bert", "embedder", "resnet50", "vit"])
+def test_torchscript_and_onnx_archives_answer_as_the_eager_model(
+    zoo: ZooStore, name: str, fmt: str, tmp_path: Path
+) -> None:
+    built = zoo.model(name)
+    model = zoo_torchscript(built) if fmt == "torchscript" else zoo_onnx(built)
+    argv = [
+        "--model-name", f"{name}_{fmt}", "--version", "1.0", "--serialized-file", str(model),
+        "--handler", built.model.handler, "--export-path", str(tmp_path),
+        "--extra-files", ",".join(str(p) for p in built.extra_files),
+    ]  # fmt: skip
+    if built.sample is not None:
+        argv += ["--sample-input", str(built.sample), "--max-seq-len", "64"]
+    else:
+        argv += ["--input-shape", f"pixel_values=3,{built.image_size},{built.image_size}"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert model_archiver_main(argv) == 0
+    archive = tmp_path / f"{name}_{fmt}.mar"
+
+    with np.load(built.validation) as data:
+        inputs = {n: data[n][:3] for n in data.files}
+    expected = zoo_reference(built, inputs)
+    if name == "embedder":  # the handler normalises the model's vectors
+        expected = expected / np.linalg.norm(expected, axis=1, keepdims=True)
+    (answer,) = served(archive, InferenceRequest(inputs=inputs))
+    assert answer.error is None, answer.error  # type: ignore[attr-defined]
+    got = next(iter(answer.outputs.values()))  # type: ignore[attr-defined]
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_a_hugging_face_safetensors_checkpoint_loads_as_the_state_dict(
+    zoo: ZooStore, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from scriptserve.archiver.model_source import load_eager_model
+
+    built = zoo.model("bert")
+    state = torch.load(built.weights, weights_only=True)
+    save_file(state, str(tmp_path / "model.safetensors"))
+
+    model = load_eager_model(built.model_file, tmp_path / "model.safetensors", "BertClassifier")
+
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name

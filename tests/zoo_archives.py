@@ -1,0 +1,145 @@
+"""The zoo's models (examples/zoo.py) at their small size, built and archived once per test
+session, in child processes that the `zoo` fixture's head start (conftest.py) begins at
+collection: their compiles (about three minutes of CPU) then run at low priority while the other
+tests wait on servers, and the tests that use them run last.
+
+    def test_x(zoo: ZooStore) -> None:
+        zoo.archive("bert")                     # .pt2 fp32
+        zoo.archive("resnet50", "static-int8")  # .pt2 int8
+        zoo.model("bert")                       # the files model-archiver took
+        zoo_reference("bert", inputs)           # the eager model's answer
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pt2models import INDUCTOR_CACHE, TESTS, workdir
+
+from examples.zoo import Built, built_in
+from scriptserve.archiver.pt2_check import call_model
+
+MODELS = ("bert", "embedder", "resnet50", "vit")
+ARCHIVES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("bert", "none"): (),
+    ("embedder", "none"): (),
+    ("resnet50", "none"): (),
+    ("vit", "none"): (),
+    # The small ResNet's 10 random classes leave a few validation images within a hair of a
+    # tie, where one flip is 3 % of 32 samples: its guard is cosine similarity and a looser
+    # top-1 (benchmarks/zoo.py measures the full-size model's top-1 agreement).
+    ("resnet50", "static-int8"): ("--min-top1-agreement", "0.9"),
+    ("embedder", "dynamic-int8"): (),
+}
+"""The archives made, by (model, quantization), with their extra model-archiver arguments."""
+MAX_BATCH = 16
+
+
+@dataclass(frozen=True)
+class ZooStore:
+    """The built models and their archives."""
+
+    root: Path
+
+    def model(self, name: str) -> Built:
+        return built_in(name, self.root / name)
+
+    def archive(self, name: str, quantize: str = "none") -> Path:
+        return self.root / "store" / f"{archive_name(name, quantize)}.mar"
+
+
+def archive_name(name: str, quantize: str) -> str:
+    return name if quantize == "none" else f"{name}_{quantize.replace('-', '_')}"
+
+
+def _run(command: list[str], env: dict[str, str]) -> None:
+    done = subprocess.run(
+        command, cwd=TESTS.parent, env=env, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed:\n{done.stderr[-3000:]}")
+
+
+def build_zoo() -> ZooStore:
+    """Write every zoo model and archive it, each step in a child process."""
+    store = ZooStore(workdir() / "zoo")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
+    for name in MODELS:
+        root = store.root / name
+        _run([sys.executable, "-m", "examples.zoo", name, str(root), "--size", "small"], env)
+    for (name, quantize), extra in ARCHIVES.items():
+        args = store.model(name).archiver_args(
+            archive_name(name, quantize), store.root / "store", "--max-batch", str(MAX_BATCH),
+            *extra,
+        )  # fmt: skip
+        if quantize != "none":
+            args += ["--quantize", quantize]
+        _run([sys.executable, "-c", ARCHIVER, *args], env)
+    return store
+
+
+ARCHIVER = (
+    "import sys; from scriptserve.archiver.cli import model_archiver_main as m; m(sys.argv[1:])"
+)
+
+
+def zoo_eager(built: Built) -> Any:
+    """The zoo model as model-archiver loads it: its class from model.py, its state dict."""
+    return _eager(built.model_file, built.weights, built.model.model_class)
+
+
+@functools.cache
+def _eager(model_file: Path, weights: Path, model_class: str) -> Any:
+    from scriptserve.archiver.model_source import load_eager_model
+
+    return load_eager_model(model_file, weights, model_class)
+
+
+def zoo_reference(built: Built, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The eager model's output on named inputs."""
+    with torch.no_grad():
+        return call_model(zoo_eager(built), inputs).numpy()
+
+
+def zoo_torchscript(built: Built) -> Path:
+    """The model traced to TorchScript."""
+    path = built.root / f"{built.model.name}.pt"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(
+            zoo_eager(built), example_kwarg_inputs=_example(built), strict=False
+        )
+        traced.save(str(path))
+    return path
+
+
+def zoo_onnx(built: Built) -> Path:
+    """The model exported to ONNX (TorchScript-based exporter), batch and sequence dynamic."""
+    inputs = _example(built)
+    names = list(inputs)
+    text = built.model.kind == "text"
+    axes = {n: {0: "batch", 1: "seq"} if text else {0: "batch"} for n in names}
+    path = built.root / f"{built.model.name}.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            zoo_eager(built), (), str(path), kwargs=inputs, input_names=names,
+            output_names=["output0"], dynamic_axes={**axes, "output0": {0: "batch"}},
+            dynamo=False,
+        )  # fmt: skip
+    return path
+
+
+def _example(built: Built) -> dict[str, torch.Tensor]:
+    """Two rows of the validation samples, as tensors by name."""
+    with np.load(built.validation) as data:
+        return {n: torch.from_numpy(data[n][:2]) for n in data.files}
