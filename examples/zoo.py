@@ -392,7 +392,9 @@ def _text_files(built: Built, name: str, vocab_size: int, seed: int) -> dict[str
     built.sample = dst / "sample.json"
     built.sample.write_text(json.dumps({n: values[n] for n in inputs}))
     pad = END_OF_TEXT if generator else "[PAD]"
-    tokenizer.enable_padding(pad_id=tokenizer.token_to_id(pad), pad_token=pad, direction="left" if generator else "right")
+    tokenizer.enable_padding(
+        pad_id=tokenizer.token_to_id(pad), pad_token=pad, direction="left" if generator else "right"
+    )
     encodings = tokenizer.encode_batch(validation_texts(VALIDATION_TEXTS, seed))
     columns = {
         "input_ids": [e.ids for e in encodings],

@@ -28,10 +28,11 @@ from pt2models import INDUCTOR_CACHE, TESTS, workdir
 from examples.zoo import Built, built_in
 from scriptserve.archiver.pt2_check import call_model
 
-MODELS = ("bert", "embedder", "resnet50", "vit")
+MODELS = ("bert", "embedder", "gpt2", "resnet50", "vit")
 ARCHIVES: dict[tuple[str, str], tuple[str, ...]] = {
     ("bert", "none"): (),
     ("embedder", "none"): (),
+    ("gpt2", "none"): (),
     ("resnet50", "none"): (),
     ("vit", "none"): (),
     # The small ResNet's 10 random classes leave a few validation images within a hair of a

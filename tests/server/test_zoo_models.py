@@ -1,10 +1,11 @@
-"""The zoo's text models behind a real server: the BERT classifier over TorchServe's
-`/predictions`, KServe v1, the Open Inference Protocol over REST and gRPC (Triton's clients,
-BYTES tensors), and the sentence embedder behind OpenAI's `/v1/embeddings`, called by the
-`openai` client unchanged."""
+"""The zoo's models behind a real server: the BERT classifier over TorchServe's `/predictions`,
+KServe v1, the Open Inference Protocol over REST and gRPC (Triton's clients, BYTES tensors);
+ResNet-50 with JPEGs over REST and gRPC; the sentence embedder behind OpenAI's
+`/v1/embeddings`, called by the `openai` client unchanged."""
 
 from __future__ import annotations
 
+import io
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +16,12 @@ import openai
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from PIL import Image
 from serving import ServerProcess
 from zoo_archives import ZooStore
 
 from scriptserve.archiver.archive import open_archive
-from scriptserve.handlers.base import Context, InferenceRequest, run_batch
+from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse, run_batch
 from scriptserve.handlers.loader import load_handler, read_model_config
 
 TEXTS = ["the quick brown fox", "a dog and a cat are happy", "music"]
@@ -29,7 +31,7 @@ TEXTS = ["the quick brown fox", "a dog and a cat are happy", "music"]
 def server(zoo: ZooStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     store = tmp_path_factory.mktemp("text-models") / "store"
     store.mkdir()
-    for name in ("bert", "embedder"):
+    for name in ("bert", "embedder", "resnet50"):
         shutil.copy(zoo.archive(name), store)
     proc = ServerProcess(store, "--models", "all").start(timeout_s=180)
     try:
@@ -38,15 +40,43 @@ def server(zoo: ZooStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         proc.stop()
 
 
-def in_process(archive: Path, *texts: str) -> list[object]:
-    """What the archive's handler answers each text with, in this process."""
+def in_process(archive: Path, *bodies: str | bytes) -> list[object]:
+    """What the archive's handler answers each body with, in this process."""
+    return [r.body for r in handled(archive, *bodies)]
+
+
+def handled(archive: Path, *bodies: str | bytes) -> list[InferenceResponse]:
     name = archive.stem
     with open_archive(archive) as reader:
         manifest = reader.manifest
         config = read_model_config(reader.root, manifest)
         context = Context(name, "1.0", reader.root, manifest, config)
-        requests = [InferenceRequest(body=t.encode()) for t in texts]
-        return [r.body for r in run_batch(load_handler(context), requests, context)]
+        requests = [InferenceRequest(body=b.encode() if isinstance(b, str) else b) for b in bodies]
+        return run_batch(load_handler(context), requests, context)
+
+
+def jpeg(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (240, 320, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_resnet_answers_jpegs_over_rest_and_grpc(server: ServerProcess) -> None:
+    images = [jpeg(0), jpeg(1)]
+    expected = handled(server.store / "resnet50.mar", *images)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        rest = client.post("/predictions/resnet50", content=images[0],
+                           headers={"Content-Type": "image/jpeg"})  # fmt: skip
+    grpc = triton_grpc.InferenceServerClient(server.grpc)
+    tensor = triton_grpc.InferInput("pixel_values", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array(images, dtype=object))
+    logits = grpc.infer("resnet50", [tensor]).as_numpy("output0")
+
+    assert rest.status_code == 200, rest.text
+    assert rest.json() == pytest.approx(expected[0].body)
+    want = np.concatenate([e.outputs["output0"] for e in expected])
+    np.testing.assert_allclose(logits, want, atol=1e-4)
 
 
 def test_predictions_and_kserve_v1_answer_labels(server: ServerProcess) -> None:

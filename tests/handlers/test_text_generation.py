@@ -1,0 +1,92 @@
+"""The built-in `text_generator` on the zoo's GPT-2 (small, a byte-level BPE tokenizer packed in
+the archive, the sequence exported dynamic): each prompt's streamed answer is the eager model's
+greedy continuation, decoded by the tokenizer, whatever else shares its batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from zoo_archives import ZooStore, zoo_eager
+
+from scriptserve.archiver.archive import open_archive
+from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
+from scriptserve.handlers.loader import load_handler, read_model_config
+from scriptserve.handlers.text_generator import TextGenerator
+
+PROMPTS = ["The quick brown fox", "a dog and a cat are happy and the music is good"]
+
+
+@pytest.fixture(scope="module")
+def generator(zoo: ZooStore) -> Iterator[TextGenerator]:
+    with open_archive(zoo.archive("gpt2")) as reader:
+        manifest = reader.manifest
+        config = read_model_config(reader.root, manifest)
+        context = Context("gpt2", "1.0", reader.root, manifest, config)
+        handler = load_handler(context)
+        assert isinstance(handler, TextGenerator)
+        yield handler
+
+
+def answers(generator: TextGenerator, *requests: InferenceRequest) -> list[list[InferenceResponse]]:
+    """Each request's parts, in order."""
+    parts: list[list[InferenceResponse]] = [[] for _ in requests]
+    for step in generator.stream(list(requests)):
+        for i, part in enumerate(step):
+            if part is not None:
+                parts[i].append(part)
+    return parts
+
+
+def greedy(zoo: ZooStore, prompt: str, tokens: int) -> str:
+    """The eager model's greedy continuation of `prompt`, decoded."""
+    tokenizer = Tokenizer.from_file(str(zoo.model("gpt2").root / "tokenizer.json"))
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    model = zoo_eager(zoo.model("gpt2"))
+    start = len(ids)
+    for _ in range(tokens):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x))
+        token = int(logits.argmax(-1))
+        if token == tokenizer.token_to_id("<|endoftext|>"):
+            break
+        ids.append(token)
+    return tokenizer.decode(ids[start:])
+
+
+def test_each_prompt_streams_the_models_greedy_continuation(
+    zoo: ZooStore, generator: TextGenerator
+) -> None:
+    requests = [InferenceRequest(body=p.encode(), parameters={"max_tokens": 12}) for p in PROMPTS]
+
+    for prompt, parts in zip(PROMPTS, answers(generator, *requests), strict=True):
+        assert all(p.error is None for p in parts), [p.error for p in parts]
+        assert parts[-1].final and not any(p.final for p in parts[:-1])
+        text = b"".join(p.body for p in parts).decode()
+        assert text == greedy(zoo, prompt, 12)
+        assert len(parts) <= 12
+
+
+def test_a_prompt_answers_alike_alone_and_padded_beside_a_longer_one(
+    generator: TextGenerator,
+) -> None:
+    short = InferenceRequest(body=PROMPTS[0].encode(), parameters={"max_tokens": 8})
+    long = InferenceRequest(body=PROMPTS[1].encode(), parameters={"max_tokens": 8})
+    (alone,) = answers(generator, short)
+    together, _ = answers(generator, short, long)
+
+    assert [p.body for p in together] == [p.body for p in alone]
+
+
+def test_a_bad_prompt_fails_alone(generator: TextGenerator) -> None:
+    bad, good = answers(
+        generator,
+        InferenceRequest(body=b"\xff\xfe", content_type="text/plain"),
+        InferenceRequest(body=b"a dog", parameters={"max_tokens": 2}),
+    )
+
+    assert bad[0].status == 400 and "UTF-8" in (bad[0].error or "")
+    assert good and good[-1].final and all(p.error is None for p in good)
