@@ -24,7 +24,6 @@ with 400.
 from __future__ import annotations
 
 import io
-import json
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,7 +40,13 @@ from scriptserve.handlers.base import (
     InferenceRequest,
     InferenceResponse,
 )
-from scriptserve.handlers.labels import DEFAULT_TOPK, read_labels, top_classes, topk
+from scriptserve.handlers.labels import (
+    DEFAULT_TOPK,
+    read_json_object,
+    read_labels,
+    top_classes,
+    topk,
+)
 
 log = logging.getLogger("handlers.image_classifier")
 
@@ -166,7 +171,7 @@ class ImageClassifierHandler(BaseHandler):
         pre_file = context.model_dir / "preprocessing.json"
         given: dict[str, Any] | None = None
         if pre_file.is_file():
-            given = self._read_json(pre_file)
+            given = read_json_object(pre_file)
         elif isinstance(config.get("preprocessing"), dict):
             given = config["preprocessing"]
         self.input_name = (
@@ -188,16 +193,6 @@ class ImageClassifierHandler(BaseHandler):
         self.topk = int(config.get("topk", DEFAULT_TOPK))
         self.max_pixels = int(config.get("max_image_pixels", DEFAULT_MAX_PIXELS))
         self.instance_shape: tuple[int, ...] | None = shape if shape else None
-
-    @staticmethod
-    def _read_json(path: Any) -> dict[str, Any]:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise HandlerError(f"the archive's {path.name} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise HandlerError(f"the archive's {path.name} must hold a JSON object")
-        return data
 
     # -- preprocess ---------------------------------------------------------------------------
     def image_to_array(self, data: bytes) -> np.ndarray:

@@ -25,7 +25,8 @@ INDEX_TO_NAME = "index_to_name.json"
 HF_CONFIG = "config.json"
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file of the archive (labels, a Hugging Face config, preprocessing)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -39,9 +40,9 @@ def read_labels(model_dir: Path) -> dict[int, str]:
     """The archive's class labels by index; {} when it has none."""
     names = model_dir / INDEX_TO_NAME
     if names.is_file():
-        raw = _json_object(names)
+        raw = read_json_object(names)
     elif (model_dir / HF_CONFIG).is_file():
-        raw = _json_object(model_dir / HF_CONFIG).get("id2label") or {}
+        raw = read_json_object(model_dir / HF_CONFIG).get("id2label") or {}
         if not isinstance(raw, dict):
             raise HandlerError(f"the archive's {HF_CONFIG} has an id2label that is not an object")
     else:

@@ -22,7 +22,6 @@ The model's inputs are named as Hugging Face names them: `input_ids`, `attention
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -247,17 +246,6 @@ def feed(
     if len(specs) == 1:
         return {specs[0].name: ids.astype(numpy_dtype(specs[0].datatype), copy=False)}
     return {s.name: by_name[s.name].astype(numpy_dtype(s.datatype), copy=False) for s in specs}
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON object file of the archive (labels, a Hugging Face config)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise HandlerError(f"the archive's {path.name} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise HandlerError(f"the archive's {path.name} must hold a JSON object")
-    return data
 
 
 @dataclass
