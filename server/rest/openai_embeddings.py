@@ -24,9 +24,13 @@ def add_openai_routes(app: FastAPI, dataplane: DataPlane) -> None:
         call = openai_embeddings.decode(await request.body())
         decode = partial(openai_embeddings.requests, call, request.headers)
         served = await dataplane.infer_many(
-            call.model, None, decode, protocol="rest", timeout_s=client_timeout(request),
+            call.model,
+            None,
+            decode,
+            protocol="rest",
+            timeout_s=client_timeout(request),
             item="input",
-        )  # fmt: skip
+        )
         payload = openai_embeddings.encode(call, [s.response for s in served])
         return Response(payload, media_type="application/json")
 
