@@ -1,6 +1,6 @@
 """The zoo's models (examples/zoo.py) at their small size, built and archived once per test
-session, in child processes that the `zoo` fixture's head start (conftest.py) begins at
-collection: their compiles (about three minutes of CPU) then run at low priority while the other
+session, in one child process that the `zoo` fixture's head start (conftest.py) begins at
+collection: their compiles (about two minutes of CPU) then run at low priority while the other
 tests wait on servers, and the tests that use them run last.
 
     def test_x(zoo: ZooStore) -> None:
@@ -62,35 +62,37 @@ def archive_name(name: str, quantize: str) -> str:
     return name if quantize == "none" else f"{name}_{quantize.replace('-', '_')}"
 
 
-def _run(command: list[str], env: dict[str, str]) -> None:
-    done = subprocess.run(
-        command, cwd=TESTS.parent, env=env, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:4])} ... failed:\n{done.stderr[-3000:]}")
-
-
 def build_zoo() -> ZooStore:
-    """Write every zoo model and archive it, each step in a child process."""
+    """Write every zoo model and archive it, in one child process: torch, transformers and
+    Inductor are imported once for the twelve steps (they took a child each: about 40 s more)."""
     store = ZooStore(workdir() / "zoo")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
-    for name in MODELS:
-        root = store.root / name
-        _run([sys.executable, "-m", "examples.zoo", name, str(root), "--size", "small"], env)
-    for (name, quantize), extra in ARCHIVES.items():
-        args = store.model(name).archiver_args(
-            archive_name(name, quantize), store.root / "store", "--max-batch", str(MAX_BATCH),
-            *extra,
-        )  # fmt: skip
-        if quantize != "none":
-            args += ["--quantize", quantize]
-        _run([sys.executable, "-c", ARCHIVER, *args], env)
+    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE), "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, __file__, str(store.root)],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"building the zoo failed:\n{done.stderr[-3000:]}")
     return store
 
 
-ARCHIVER = (
-    "import sys; from scriptserve.archiver.cli import model_archiver_main as m; m(sys.argv[1:])"
-)
+def _build_here(root: Path) -> None:
+    """What the child of `build_zoo` does: each model's files, then each archive."""
+    from examples.zoo import build
+    from scriptserve.archiver.cli import model_archiver_main
+
+    store = ZooStore(root)
+    for name in MODELS:
+        build(name, root / name, size="small")
+    for (name, quantize), extra in ARCHIVES.items():
+        args = store.model(name).archiver_args(
+            archive_name(name, quantize), root / "store", "--max-batch", str(MAX_BATCH), *extra
+        )
+        if quantize != "none":
+            args += ["--quantize", quantize]
+        if model_archiver_main(args) != 0:
+            raise SystemExit(f"model-archiver failed for {name} ({quantize})")
 
 
 def zoo_eager(built: Built) -> Any:
@@ -144,3 +146,7 @@ def _example(built: Built) -> dict[str, torch.Tensor]:
     """Two rows of the validation samples, as tensors by name."""
     with np.load(built.validation) as data:
         return {n: torch.from_numpy(data[n][:2]) for n in data.files}
+
+
+if __name__ == "__main__":
+    _build_here(Path(sys.argv[1]))
