@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen import run_wrk
+from benchmarks.loadgen import STEADY_WARMUP_S, steady_load
 from benchmarks.servers import free_port
 
 BASELINES = Path(__file__).resolve().parent / "baselines"
@@ -111,8 +111,7 @@ def best_rate(
                 if _call("POST", url) != 200:
                     raise RuntimeError(f"TorchServe did not register {name}")
                 predict = f"{inference}/predictions/{name}"
-                run_wrk(predict, 8, 2, 2, body, headers)
-                load = run_wrk(predict, 8, seconds, 2, body, headers)
+                load = steady_load(predict, 8, STEADY_WARMUP_S, seconds, body.read_bytes(), headers)
                 runs.append({"workers": workers, "batch": batch, "items_s": load.rps,
                              "p50_ms": load.p50_ms, "p99_ms": load.p99_ms,
                              "errors": load.errors})  # fmt: skip

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from benchmarks import torchserve
-from benchmarks.loadgen import run_wrk
+from benchmarks.loadgen import STEADY_WARMUP_S, steady_load
 from benchmarks.report import write_results
 from benchmarks.servers import scriptserve
 from examples.zoo import ZOO, Built, build, built_in
@@ -249,7 +249,8 @@ def request_body(built: Built, directory: Path) -> tuple[Path, dict[str, str]]:
 
 
 def served(archive_path: Path, built: Built, seconds: float) -> dict[str, float]:
-    """The archive behind a real server (2 workers), 8 connections of one item each."""
+    """The archive behind a real server (2 workers), 8 connections of one item each, counted
+    in a steady window (`loadgen.steady_load`)."""
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         store.mkdir()
@@ -257,8 +258,8 @@ def served(archive_path: Path, built: Built, seconds: float) -> dict[str, float]
         body, headers = request_body(built, Path(tmp))
         name = archive_path.stem
         with scriptserve("scriptserve", store, name, 2, 1, 32) as server:
-            run_wrk(f"{server.url}/predictions/{name}", 8, 2, 2, body, headers)
-            load = run_wrk(f"{server.url}/predictions/{name}", 8, seconds, 2, body, headers)
+            url = f"{server.url}/predictions/{name}"
+            load = steady_load(url, 8, STEADY_WARMUP_S, seconds, body.read_bytes(), headers)
     if load.errors:
         raise RuntimeError(f"{name}: {load.errors} errors under load")
     return {"items_s": load.rps, "p50_ms": load.p50_ms, "p99_ms": load.p99_ms}
@@ -351,7 +352,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(m for m in ZOO if m != "gpt2"))
     parser.add_argument("--size", choices=["full", "small"], default="full")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(WORK / "inductor-cache"))
     print(cpu_line(), file=sys.stderr)
