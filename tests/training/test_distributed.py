@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -41,20 +42,26 @@ def test_two_ranks_end_with_identical_weights(tmp_path: Path) -> None:
 
 
 def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
-    def run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    def run(out: Path, port: int, *extra: str) -> subprocess.CompletedProcess[str]:
         return torchrun(
             "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-conf=last_call_timeout=1",
             "-m", "scriptserve.training", *QUICK, "--formats", "", "--out", str(out), *extra,
         )  # fmt: skip
 
-    failed_once = run(tmp_path / "restarted", "--fail-once-at-epoch", "1")
+    ports = [free_port()]
+    while len(ports) < 2:
+        ports += [p for p in (free_port(),) if p not in ports]
+    # The two runs are independent, and mostly wait on rendezvous and the restart: at once.
+    with ThreadPoolExecutor(2) as pool:
+        restarted = pool.submit(run, tmp_path / "restarted", ports[0], "--fail-once-at-epoch", "1")
+        clean = pool.submit(run, tmp_path / "clean", ports[1]).result()
+        failed_once = restarted.result()
     assert failed_once.returncode == 0, failed_once.stderr[-4000:]
     assert "simulated failure after epoch 1" in failed_once.stderr
     assert "resumed from" in failed_once.stderr and "after epoch 1" in failed_once.stderr
 
-    clean = run(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-4000:]
     a = load_checkpoint(tmp_path / "restarted" / "digits-training" / "checkpoints" / "last.pt")
     b = load_checkpoint(tmp_path / "clean" / "digits-training" / "checkpoints" / "last.pt")

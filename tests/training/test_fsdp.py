@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,11 +100,13 @@ def training(
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """The same seeded training three ways: one process, DDP and FSDP on two gloo ranks."""
     root = tmp_path_factory.mktemp("strategies")
-    return {
-        "one process": training(root / "one", *ONE_PROCESS, ranks=1),
-        "ddp": training(root / "ddp", *TWO_RANKS, "--strategy", "ddp", ranks=2),
-        "fsdp": training(root / "fsdp", *TWO_RANKS, "--strategy", "fsdp", ranks=2),
-    }
+    # Independent runs (each `--standalone` launcher on a port of its own): at once, so that
+    # one's imports and rendezvous overlap another's training.
+    with ThreadPoolExecutor(3) as pool:
+        one = pool.submit(training, root / "one", *ONE_PROCESS, ranks=1)
+        ddp = pool.submit(training, root / "ddp", *TWO_RANKS, "--strategy", "ddp", ranks=2)
+        fsdp = pool.submit(training, root / "fsdp", *TWO_RANKS, "--strategy", "fsdp", ranks=2)
+        return {"one process": one.result(), "ddp": ddp.result(), "fsdp": fsdp.result()}
 
 
 @pytest.fixture(scope="module")
