@@ -70,8 +70,12 @@ def build_zoo() -> ZooStore:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE), "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, __file__, str(store.root)],
-        cwd=TESTS.parent, env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"building the zoo failed:\n{done.stderr[-3000:]}")
     return store
