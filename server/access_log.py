@@ -80,14 +80,23 @@ _current: ContextVar[AccessRecord | None] = ContextVar("scriptserve_access", def
 
 
 @contextlib.contextmanager
-def opened(record: AccessRecord) -> Iterator[AccessRecord]:
+def opened(record: AccessRecord | None) -> Iterator[AccessRecord | None]:
     """Make `record` the one the data plane fills in while the request runs in this context
     (and the tasks it starts)."""
+    if record is None:
+        yield None
+        return
     token = _current.set(record)
     try:
         yield record
     finally:
         _current.reset(token)
+
+
+def enter(record: AccessRecord) -> None:
+    """Make `record` the one the data plane fills in, for the rest of this context: a context
+    made for the one request."""
+    _current.set(record)
 
 
 def note_model(name: str, version: str | None) -> None:

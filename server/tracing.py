@@ -113,6 +113,12 @@ def opened(trace: RequestTrace | None) -> Iterator[RequestTrace | None]:
         _current.reset(token)
 
 
+def enter(trace: RequestTrace) -> None:
+    """Make `trace` the one the data plane fills in, for the rest of this context: a context
+    made for the one request."""
+    _current.set(trace)
+
+
 def note_model(name: str, version: str | None) -> None:
     """The data plane resolved the request's model (and version, once known)."""
     trace = _current.get()

@@ -1,6 +1,7 @@
 """The server's three HTTP apps (inference, management, metrics), each with the layers in front
-of it: the request guard, the inference routes served below FastAPI, and the access log,
-tracing and uvicorn's proxy-headers layer where they are needed."""
+of it: the request guard, uvicorn's proxy-headers layer, and the access log and tracing when
+either is on; and the inference routes the inference server's HTTP protocol answers itself
+(`protocol_routes.py`), whatever is on."""
 
 from __future__ import annotations
 
@@ -13,18 +14,16 @@ from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.management import Management
 from scriptserve.server.metrics import ServerMetrics
 from scriptserve.server.repository import ModelRepository
-from scriptserve.server.rest.access import AccessLogged
 from scriptserve.server.rest.guard import guarded
-from scriptserve.server.rest.hot_routes import HotRoutes
 from scriptserve.server.rest.inference import create_inference_app
 from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_routes
 from scriptserve.server.rest.management import create_management_app
 from scriptserve.server.rest.metrics import create_metrics_app
+from scriptserve.server.rest.observe import Observed, Observers
 from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_repository_routes
 from scriptserve.server.rest.openai_embeddings import add_openai_routes
 from scriptserve.server.rest.protocol_routes import ProtocolRoutes
 from scriptserve.server.rest.shared_address import SharedAddress
-from scriptserve.server.rest.tracing import Traced
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.tracing import Tracing
@@ -58,29 +57,21 @@ def http_apps(
     tracing: Tracing,
 ) -> list[HttpApp]:
     """The inference, management and metrics apps, each behind its guard (and the access log
-    and tracing when they are on), with the address it listens on; the inference server's
-    protocol answers the inference routes itself while neither the access log nor tracing
-    is on."""
+    and tracing when either is on), with the address it listens on; the inference server's
+    protocol answers the inference routes itself."""
     limit = settings.max_request_bytes
     # Probes carry no key: liveness and readiness stay open and say nothing else.
     probes = ("/ping", "/v2/health/live", "/v2/health/ready", LIVENESS_PATH)
     inference = create_inference_app(dataplane, settings)
-    add_kserve_v1_routes(inference.app, dataplane)
-    add_openai_routes(inference.app, dataplane)
-    add_repository_routes(inference.app, repository)
-    # uvicorn's proxy-headers layer (the client's address and scheme from X-Forwarded-* when the
-    # peer is a loopback proxy) runs where something reads them: outside the access log and
-    # tracing when they are on, and in front of the FastAPI apps; the hot inference routes
-    # read neither.
-    hot_routes = HotRoutes(
-        forwarded(inference.app), inference.app.routes, inference.predict,
-        inference.infer,
-    )  # fmt: skip
+    add_kserve_v1_routes(inference, dataplane)
+    add_openai_routes(inference, dataplane)
+    add_repository_routes(inference, repository)
+    observers = Observers(access, tracing)
     apps: list[tuple[str, Any, str]] = [
         (
             "inference",
             guarded(
-                hot_routes,
+                inference,
                 keys,
                 "inference",
                 limit,
@@ -94,7 +85,7 @@ def http_apps(
         (
             "management",
             guarded(
-                forwarded(create_management_app(management, settings)),
+                create_management_app(management, settings),
                 keys,
                 "management",
                 limit,
@@ -109,21 +100,18 @@ def http_apps(
             settings.metrics_address,
         ),
     ]
-    if tracing.enabled:  # outside the guard: refused requests are traced too
+    if observers.enabled:  # outside the guard: refused requests are logged and traced too
         apps = [
-            (what, Traced(app, tracing) if what != "metrics" else app, address)
+            (what, Observed(app, observers) if what != "metrics" else app, address)
             for what, app, address in apps
         ]
-    if access.enabled:  # an ASGI layer costs every request: only when there is a log to write
-        apps = [
-            (what, AccessLogged(app, access) if what != "metrics" else app, address)
-            for what, app, address in apps
-        ]
-    if access.enabled or tracing.enabled:
-        apps = [(what, forwarded(app), address) for what, app, address in apps]
-    protocol_routes = None
-    if not (access.enabled or tracing.enabled):
-        protocol_routes = ProtocolRoutes(dataplane, keys, limit, metrics)
+    # uvicorn's proxy-headers layer: the client's address and scheme from X-Forwarded-* when
+    # the peer is a loopback proxy, for everything behind it (the protocol applies the same
+    # rule to the inference routes it answers).
+    apps = [
+        (what, forwarded(app) if what != "metrics" else app, address) for what, app, address in apps
+    ]
+    protocol_routes = ProtocolRoutes(dataplane, keys, settings, observers, metrics)
     if settings.inference_address == settings.management_address:  # TorchServe allows it
         (_, inference_app, address), (_, management_app, _), (_, metrics_app, metrics_address) = (
             apps

@@ -21,6 +21,7 @@ from scriptserve.server.codec.openai_embeddings import PATH as OPENAI_EMBEDDINGS
 from scriptserve.server.errors import (
     InvalidInput,
     MethodNotAllowed,
+    PayloadTooLarge,
     RouteNotFound,
     ServingError,
     error_for_status,
@@ -48,6 +49,17 @@ def error_response(request: Request, error: ServingError) -> Response:
     )
 
 
+def body_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is larger than the server's limit of {limit} bytes")
+
+
+def method_not_allowed(method: str, allowed: str) -> MethodNotAllowed:
+    """`method` on a route that takes only `allowed` (`POST, PUT`)."""
+    return MethodNotAllowed(
+        f"method {method} is not allowed on this route; use {allowed}", {"Allow": allowed}
+    )
+
+
 def routing_error(request: Request, exc: HTTPException) -> ServingError:
     """What the router (or a body parser) refused, as one of the server's errors."""
     headers = dict(exc.headers or {})
@@ -55,9 +67,7 @@ def routing_error(request: Request, exc: HTTPException) -> ServingError:
         return RouteNotFound("not found: no route matches this path", headers)
     if exc.status_code == 405:
         allowed = headers.get("Allow") or headers.get("allow") or "another method"
-        return MethodNotAllowed(
-            f"method {request.method} is not allowed on this route; use {allowed}", headers
-        )
+        return method_not_allowed(request.method, allowed)
     error = error_for_status(exc.status_code, str(exc.detail))
     error.headers = headers
     return error

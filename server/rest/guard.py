@@ -1,12 +1,12 @@
 """RequestGuard: the ASGI layer in front of each HTTP app that checks the key and bounds the body.
 
-It runs before routing, so it covers every route of the ASGI app, the inference routes served
-below FastAPI (`hot_routes.HotRoutes`) and the DirectRoutes included: a key check is one header
-lookup and a constant-time compare. The inference routes the HTTP protocol answers itself
-(`protocol_routes.py`) never reach it; the protocol makes the same checks, with the same
-answers. The body limit counts the bytes `receive()` hands the app, so a lying or
-absent Content-Length (chunked) is caught as the bytes arrive, and nothing is buffered beyond
-what the app itself reads.
+It runs before routing, so it covers every route of the ASGI app, the DirectRoutes included: a
+key check is one header lookup and a constant-time compare. The inference routes the HTTP
+protocol answers itself (`protocol_routes.py`) never reach it; the protocol makes the same
+checks (`security.AccessKeys`, `errors.body_too_large`, `Disconnects`), with the same answers.
+The body limit counts the bytes `receive()` hands the app, so a lying or absent
+Content-Length (chunked) is caught as the bytes arrive, and nothing is buffered beyond what
+the app itself reads.
 
 A client that goes away before sending its whole body is not the server's error: Starlette
 raises ClientDisconnect where the route reads the body, and the guard turns it into a debug line
@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scriptserve.server.errors import PayloadTooLarge, ServingError
 from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.rest.errors import error_body
+from scriptserve.server.rest.errors import body_too_large, error_body
 from scriptserve.server.security import AccessKeys, Api
 
 log = logging.getLogger("scriptserve.rest")
@@ -42,8 +42,17 @@ async def send_error(scope: Scope, send: Send, error: ServingError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the request body is larger than the server's limit of {limit} bytes")
+class Disconnects:
+    """Clients of `api` gone before sending their whole body: counted
+    (`scriptserve_client_disconnects_total{api}`) and a debug line naming the route."""
+
+    def __init__(self, metrics: ServerMetrics | None, api: Api) -> None:
+        self._counter = metrics.client_disconnects.labels(api) if metrics else None
+
+    def __call__(self, method: str, route: str) -> None:
+        if self._counter is not None:
+            self._counter.inc()
+        log.debug("client went away before sending the whole request body: %s %s", method, route)
 
 
 def _route(scope: Scope) -> str:
@@ -74,15 +83,10 @@ class RequestGuard:
         self.open_paths = open_paths
         self.auth = keys.required(api)
         self.management_paths = management_paths
-        self._disconnects = metrics.client_disconnects.labels(api) if metrics else None
+        self._disconnects = Disconnects(metrics, api)
 
     def _disconnected(self, scope: Scope) -> None:
-        if self._disconnects is not None:
-            self._disconnects.inc()
-        log.debug(
-            "client went away before sending the whole request body: %s %s",
-            scope.get("method", "?"), _route(scope),
-        )  # fmt: skip
+        self._disconnects(scope.get("method", "?"), _route(scope))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,7 +112,7 @@ class RequestGuard:
         limit = self.max_bytes
         if declared is not None and declared.isdigit():
             if int(declared) > limit:
-                await send_error(scope, send, _too_large(limit))
+                await send_error(scope, send, body_too_large(limit))
                 return
             # The HTTP server frames the body by Content-Length: the app can never receive more
             # than was declared (a longer body is read as the next request, and refused as such),
@@ -118,7 +122,7 @@ class RequestGuard:
             except ClientDisconnect:
                 self._disconnected(scope)
             return
-        too_large = _too_large(limit)
+        too_large = body_too_large(limit)
         received = 0
         started = False
 

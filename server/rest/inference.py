@@ -1,5 +1,7 @@
-"""The inference API: TorchServe's `/ping` and `/predictions`, Open Inference Protocol v2, and
-Triton's generate extension (`server/rest/streams.py` writes the answers that come in parts).
+"""The inference API's FastAPI app: TorchServe's `/ping`, Open Inference Protocol v2's health and
+metadata, and Triton's generate extension (`server/rest/streams.py` writes the answers that
+come in parts). TorchServe's `/predictions` and OIP's `infer` are answered by the HTTP protocol
+(`protocol_routes.py`); this app's OpenAPI document describes them too.
 
 Routes decode the wire format, call the data plane, and encode its answer; nothing else.
 """
@@ -7,57 +9,28 @@ Routes decode the wire format, call the data plane, and encode its answer; nothi
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import request_response as starlette_request_response
 
 from scriptserve import __version__
-from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.codec import generate, oip_json, torchserve
+from scriptserve.server.codec import generate, torchserve
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.dataplane import DataPlane
-from scriptserve.server.errors import InvalidInput
 from scriptserve.server.rest.errors import install_error_handlers
-from scriptserve.server.rest.hot_routes import Endpoint
 from scriptserve.server.rest.oip_extensions import add_model_extension_routes
-from scriptserve.server.rest.streams import (
-    generate_answer,
-    generate_stream_answer,
-    predictions_answer,
-)
+from scriptserve.server.rest.protocol_routes import OPENAPI_PATHS
+from scriptserve.server.rest.streams import generate_answer, generate_stream_answer
 from scriptserve.server.settings import ServerSettings
-
-_JSON = "application/json"
 
 
 def client_timeout(request: Request) -> float | None:
     """Seconds from `X-Request-Timeout`: it may shorten the server's deadline, never lengthen it."""
     return request_timeout(request.headers.get(TIMEOUT_HEADER))
-
-
-async def _predictions_request(request: Request, settings: ServerSettings) -> InferenceRequest:
-    """TorchServe-style input: raw body (`curl -T`, JSON) or multipart fields by name."""
-    content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
-        body = await request.body()
-        return torchserve.body_request(body, content_type, request.headers)
-    fields: dict[str, bytes] = {}
-    try:
-        form = await request.form(
-            max_files=settings.max_multipart_files,
-            max_fields=settings.max_multipart_fields,
-            max_part_size=settings.max_multipart_part_bytes,
-        )
-    except MultiPartException as exc:  # Starlette makes it a 400 only inside its own app
-        raise InvalidInput(f"the multipart body cannot be read: {exc.message}") from None
-    for key, value in form.multi_items():
-        fields[key] = await value.read() if isinstance(value, UploadFile) else value.encode()
-    return torchserve.predictions_request(fields, content_type, request.headers)
 
 
 class DirectRoute(APIRoute):
@@ -74,25 +47,20 @@ class DirectRoute(APIRoute):
         self.app = starlette_request_response(endpoint)
 
 
-_PREDICT = ("POST", "PUT")
-
-
 def _direct_post(
-    app: FastAPI, path: str, tag: str, *params: str, methods: tuple[str, ...] = ("POST",)
+    app: FastAPI, path: str, tag: str, *params: str
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a POST endpoint as a DirectRoute whose path parameters are strings."""
 
     def register(endpoint: Callable[..., Any]) -> Callable[..., Any]:
-        for method in methods:  # one route per method: each gets its own OpenAPI operation id
-            app.router.add_api_route(
-                path,
-                endpoint,
-                methods=[method],
-                tags=[tag],
-                openapi_extra=_path_params(*params),
-                route_class_override=DirectRoute,
-                operation_id=f"{endpoint.__name__}_{method.lower()}" if len(methods) > 1 else None,
-            )
+        app.router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            tags=[tag],
+            openapi_extra=_path_params(*params),
+            route_class_override=DirectRoute,
+        )
         return endpoint
 
     return register
@@ -107,16 +75,22 @@ def _path_params(*names: str) -> dict[str, Any]:
     }
 
 
-class InferenceApp(NamedTuple):
-    """The inference API: the FastAPI app (every route, and the OpenAPI document) and the
-    endpoints of its hot routes, which `HotRoutes` serves in front of it."""
+def _with_protocol_routes(app: FastAPI) -> None:
+    """The app's OpenAPI document, with the inference routes the HTTP protocol answers."""
 
-    app: FastAPI
-    predict: Endpoint
-    infer: Endpoint
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, tags=app.openapi_tags
+            )
+            document["paths"] = {**OPENAPI_PATHS, **document.get("paths", {})}
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> InferenceApp:
+def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> FastAPI:
     app = FastAPI(
         title="scriptserve inference API",
         version=__version__,
@@ -131,31 +105,6 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Infe
     async def ping() -> Response:
         ready = dataplane.ready()
         return JSONResponse(torchserve.health(ready), 200 if ready else 503)
-
-    async def predict(request: Request, model_name: str, version: str | None) -> Response:
-        # Any handler may answer in parts (TorchServe's send_intermediate_predict_response):
-        # the answer is a stream, written in one piece when it came in one.
-        inference = await _predictions_request(request, settings)
-        stream = dataplane.stream(
-            model_name, version, inference, protocol="rest", timeout_s=client_timeout(request)
-        )
-        return await predictions_answer(stream, request)
-
-    # The inference routes are DirectRoutes, described in the OpenAPI document; the server
-    # serves the requests of these four in front of FastAPI (`hot_routes.HotRoutes`, with
-    # `predict` and `infer` below), and FastAPI only when the app runs without that layer.
-    # PUT as well as POST: TorchServe's `curl -T image.jpg .../predictions/NAME` sends a PUT.
-    @_direct_post(app, "/predictions/{model_name}", "TorchServe", "model_name", methods=_PREDICT)
-    async def predictions(request: Request) -> Response:
-        return await predict(request, request.path_params["model_name"], None)
-
-    @_direct_post(
-        app, "/predictions/{model_name}/{version}", "TorchServe", "model_name", "version",
-        methods=_PREDICT,
-    )  # fmt: skip
-    async def predictions_version(request: Request) -> Response:
-        params = request.path_params
-        return await predict(request, params["model_name"], params["version"])
 
     # -- Open Inference Protocol v2 ----------------------------------------------------------
     @app.get("/v2", tags=["OIP v2"])
@@ -207,34 +156,6 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Infe
     async def model_version_ready(model_name: str, version: str) -> Response:
         return model_ready(model_name, version)
 
-    async def infer(request: Request, model_name: str, version: str | None) -> Response:
-        headers = request.headers
-        wire = oip_json.OipBody(await request.body(), headers.get(oip_json.HEADER_LENGTH), headers)
-        served = await dataplane.infer(
-            model_name, version, wire.decode, protocol="rest", timeout_s=client_timeout(request)
-        )
-        payload, header_length = wire.encode(
-            served.model_name, served.model_version, served.outputs
-        )
-        if header_length is None:
-            return Response(payload, media_type=_JSON)
-        return Response(
-            payload,
-            media_type="application/octet-stream",
-            headers={oip_json.HEADER_LENGTH: str(header_length)},
-        )
-
-    @_direct_post(app, "/v2/models/{model_name}/infer", "OIP v2", "model_name")
-    async def infer_default(request: Request) -> Response:
-        return await infer(request, request.path_params["model_name"], None)
-
-    @_direct_post(
-        app, "/v2/models/{model_name}/versions/{version}/infer", "OIP v2", "model_name", "version"
-    )
-    async def infer_version(request: Request) -> Response:
-        params = request.path_params
-        return await infer(request, params["model_name"], params["version"])
-
     # -- Triton's generate extension ----------------------------------------------------------
     async def generate_one(request: Request, model_name: str, version: str | None) -> Response:
         body, headers = await request.body(), request.headers
@@ -255,7 +176,8 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Infe
     for suffix, run in (("generate", generate_one), ("generate_stream", generate_stream)):
         _add_versioned_post(app, f"/v2/models/{{model_name}}/{suffix}", run, "OIP generate")
 
-    return InferenceApp(app, predict, infer)
+    _with_protocol_routes(app)
+    return app
 
 
 def _add_versioned_post(

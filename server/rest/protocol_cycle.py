@@ -1,14 +1,15 @@
 """One request of the inference routes the HTTP protocol answers itself (`protocol_routes.py`):
 its body collected from the parser's callbacks, the guard's checks, the hand-over to the data
 plane, and its answer, written from the data plane's future callback (as HTTP chunks when it
-comes in parts)."""
+comes in parts); observed by the access log and tracing while either is on."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
@@ -24,11 +25,17 @@ from scriptserve.server.admission import Served
 from scriptserve.server.codec import oip_json, torchserve
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.errors import PayloadTooLarge, ServingError
-from scriptserve.server.rest.errors import error_body
-from scriptserve.server.rest.hot_routes import PREDICT_ROUTES
+from scriptserve.server.rest.errors import body_too_large, error_body, method_not_allowed
+from scriptserve.server.rest.forms import form_fields
+from scriptserve.server.rest.observe import CLIENT_GONE, Observation, forwarded_scope
 
 if TYPE_CHECKING:
-    from scriptserve.server.rest.protocol_routes import InferenceHttpProtocol, ProtocolRoutes
+    from scriptserve.handlers.base import InferenceRequest
+    from scriptserve.server.rest.protocol_routes import (
+        InferenceHttpProtocol,
+        InferenceRoute,
+        ProtocolRoutes,
+    )
     from scriptserve.server.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest")
@@ -43,7 +50,7 @@ _HEADER_LENGTH = oip_json.HEADER_LENGTH.lower().encode() + b": %d\r\n"
 
 
 class ProtocolCycle(RequestResponseCycle):
-    """One request of the four routes, from its head to its answer (see `protocol_routes`).
+    """One request of the inference routes, from its head to its answer (see `protocol_routes`).
 
     uvicorn's protocol sees a RequestResponseCycle: it appends the body, sets `more_body` and
     `disconnected`, and calls `message_event.set()`, which is this object's `set`. The parent's
@@ -57,7 +64,7 @@ class ProtocolCycle(RequestResponseCycle):
         routes: ProtocolRoutes,
         method: str,
         path: str,
-        route: int,
+        route: InferenceRoute,
         model_name: str,
         version: str | None,
     ) -> None:
@@ -71,7 +78,6 @@ class ProtocolCycle(RequestResponseCycle):
         self.method = method
         self.path = path
         self.route = route
-        self.predicts = route in PREDICT_ROUTES
         self.model_name = model_name
         self.version = version
         parser = protocol.parser
@@ -102,9 +108,9 @@ class ProtocolCycle(RequestResponseCycle):
                 self.timeout = value.decode("latin-1")
             elif name == b"inference-header-content-length":
                 self.header_length = value.decode("latin-1")
-        self.multipart = self.predicts and (self.content_type or "").startswith(
-            "multipart/form-data"
-        )
+        self.observation: Observation | None = None
+        if routes.observers.enabled:
+            self.observation = routes.observers.open(_scope(protocol, method, path))
 
     @property
     def message_event(self) -> ProtocolCycle:  # type: ignore[override]
@@ -115,7 +121,8 @@ class ProtocolCycle(RequestResponseCycle):
     # -- what the protocol calls --------------------------------------------------------------
     def begin(self) -> None:
         """The request's turn on its connection (at once, or after the pipelined ones before
-        it): refuse it now if its key or declared size says so, else wait for its body."""
+        it): refuse it now if its key, method or declared size says so, else wait for its
+        body."""
         self.begun = True
         routes = self.routes
         if routes.auth:
@@ -123,8 +130,11 @@ class ProtocolCycle(RequestResponseCycle):
             if error is not None:
                 self._answer_error(error)
                 return
+        if self.method not in self.route.methods:
+            self._answer_error(method_not_allowed(self.method, ", ".join(self.route.methods)))
+            return
         if self.declared is not None and self.declared > routes.max_bytes:
-            self._answer_error(_too_large(routes.max_bytes))
+            self._answer_error(body_too_large(routes.max_bytes))
             return
         if self.waiting_for_100_continue and self.more_body:
             self.waiting_for_100_continue = False
@@ -138,7 +148,7 @@ class ProtocolCycle(RequestResponseCycle):
             return  # answered already (refused): the rest of the body is dropped
         self.body += data
         if self.declared is None and len(self.body) > self.routes.max_bytes:
-            self._answer_error(_too_large(self.routes.max_bytes))
+            self._answer_error(body_too_large(self.routes.max_bytes))
 
     def set(self) -> None:
         """uvicorn's `message_event.set()`: the body ended, or the client went away."""
@@ -156,40 +166,72 @@ class ProtocolCycle(RequestResponseCycle):
         event loop, once every connection with bytes to read has been read. Queued in one
         burst, the turn's requests are batched together, where handing each over as it is
         parsed wakes a worker for the first one alone (measured on OIP's binary route: 1.11x
-        the requests per second of handing them over at once)."""
+        the requests per second of handing them over at once). An observed request runs in a
+        context of its own, where the data plane notes what the access log and tracing
+        record."""
         self.running = True
-        self._loop.call_soon(self._run)
+        if self.observation is None:
+            self._loop.call_soon(self._run)
+            return
+        context = contextvars.copy_context()
+        context.run(self.observation.enter)
+        self._loop.call_soon(self._run, context=context)
 
     def _run(self) -> None:
         if self.response_complete:
             return  # the client went away meanwhile
         body = bytes(self.body)
         self.body = bytearray()
-        dataplane = self.routes.dataplane
-        headers = Headers(raw=self.raw_headers)
         try:
             timeout_s = request_timeout(self.timeout)
-            if self.predicts:
-                request = torchserve.body_request(body, self.content_type, headers)
-                stream = dataplane.stream(
-                    self.model_name, self.version, request, protocol="rest", timeout_s=timeout_s
-                )
+            if not self.route.predicts:
+                self._infer(oip_json.OipBody(body, self.header_length, self._headers()), timeout_s)
+            elif (self.content_type or "").startswith("multipart/form-data"):
+                self._spawn(self._predict_form(body, timeout_s))
             else:
-                wire = oip_json.OipBody(body, self.header_length, headers)
-                self._withdraw = dataplane.respond(
-                    self.model_name, self.version, wire.decode,
-                    functools.partial(self._inferred, wire), protocol="rest", timeout_s=timeout_s,
-                )  # fmt: skip
+                request = torchserve.body_request(body, self.content_type, self._headers())
+                self._predict(request, timeout_s)
         except ServingError as exc:
             self._answer_error(exc)
-            return
         except Exception:
             self._unexpected()
-            return
-        if self.predicts:
-            self._withdraw = stream.close
-            stream.on_part = functools.partial(self._parts_came, stream)
-            stream.future.add_done_callback(functools.partial(self._predicted, stream))
+
+    def _headers(self) -> Headers:
+        return Headers(raw=self.raw_headers)
+
+    def _infer(self, wire: oip_json.OipBody, timeout_s: float | None) -> None:
+        self._withdraw = self.routes.dataplane.respond(
+            self.model_name, self.version, wire.decode, functools.partial(self._inferred, wire),
+            protocol="rest", timeout_s=timeout_s,
+        )  # fmt: skip
+
+    def _predict(self, request: InferenceRequest, timeout_s: float | None) -> None:
+        # Any handler may answer in parts (TorchServe's send_intermediate_predict_response):
+        # the answer is a stream, written in one piece when it came in one.
+        stream = self.routes.dataplane.stream(
+            self.model_name, self.version, request, protocol="rest", timeout_s=timeout_s
+        )
+        self._withdraw = stream.close
+        stream.on_part = functools.partial(self._parts_came, stream)
+        stream.future.add_done_callback(functools.partial(self._predicted, stream))
+
+    async def _predict_form(self, body: bytes, timeout_s: float | None) -> None:
+        """A multipart body: its fields by name are the inputs, as TorchServe reads them."""
+        headers = self._headers()
+        try:
+            fields = await form_fields(body, headers, self.routes.settings)
+            if not self.response_complete:  # the client may have gone while the form was read
+                request = torchserve.predictions_request(fields, self.content_type or "", headers)
+                self._predict(request, timeout_s)
+        except ServingError as exc:
+            self._answer_error(exc)
+        except Exception:
+            self._unexpected()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _gone(self) -> None:
         """The client went away: withdraw its request (the data plane frees its slot)."""
@@ -197,8 +239,13 @@ class ProtocolCycle(RequestResponseCycle):
             if self._withdraw is not None:
                 self._withdraw()
         elif self.begun and self.more_body and not self.response_complete:
-            self.routes.disconnected(self)
-        self.response_complete = True
+            self.routes.disconnected(self.method, self.route.template)
+        if not self.response_complete:
+            self.response_complete = True
+            if self.observation is not None:
+                if not self.response_started:
+                    self.observation.status = CLIENT_GONE
+                self._observed_end()
 
     def _predicted(self, stream: PartStream[Served], _: object) -> None:
         """The request's future is done: answer in one piece, unless parts came first (then
@@ -249,14 +296,12 @@ class ProtocolCycle(RequestResponseCycle):
 
     # -- answers in parts (TorchServe's streaming handlers) ----------------------------------
     def _parts_came(self, stream: PartStream[Served]) -> None:
-        if self.response_complete:
-            return
-        task = asyncio.ensure_future(self._write_parts(stream))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if not self.response_complete:
+            self._spawn(self._write_parts(stream))
 
     async def _write_parts(self, stream: PartStream[Served]) -> None:
-        """The answer, part by part as HTTP chunks, as `streams.predictions_answer` writes it."""
+        """The answer, part by part as HTTP chunks, by the rules of `streams.py`: the status
+        line waits for the first part, a later error ends the stream with an error chunk."""
         try:
             await self._write_stream(stream)
         except Exception:
@@ -285,20 +330,20 @@ class ProtocolCycle(RequestResponseCycle):
             self._answer(response.status, payload, content_type.encode(), response.headers)
             return
         head = self._head(response.status, content_type.encode(), response.headers)
-        self.transport.write(head + b"transfer-encoding: chunked\r\n\r\n" + _chunk(payload))
+        self.transport.write(head + b"transfer-encoding: chunked\r\n\r\n" + self._chunk(payload))
         try:
             while (served := await stream.next()) is not None:
                 if self.flow.write_paused:
                     await self.flow.drain()
                 if self.disconnected:
                     return
-                self.transport.write(_chunk(torchserve.prediction_payload(served.response)[0]))
+                self.transport.write(self._chunk(torchserve.prediction_payload(served.response)[0]))
         except ServingError as exc:
             log.info(
                 "model=%s version=%s stream ended after %d parts: %s",
                 stream.model_name, stream.model_version, stream.parts_sent, exc.message,
             )  # fmt: skip
-            self.transport.write(_chunk(error_body("/predictions", exc)))
+            self.transport.write(self._chunk(error_body("/predictions", exc)))
         if not self.disconnected:
             self.transport.write(b"0\r\n\r\n")
             self._complete()
@@ -319,6 +364,9 @@ class ProtocolCycle(RequestResponseCycle):
         for name, value in self.default_headers:
             head += [name, b": ", value, b"\r\n"]
         head.append(lines)
+        if self.observation is not None:
+            for name, value in self.observation.answered(status):
+                head += [name, b": ", value, b"\r\n"]
         for key, text in (headers or {}).items():
             lower = key.lower()
             name, value = lower.encode("latin-1"), text.encode("latin-1")
@@ -349,8 +397,21 @@ class ProtocolCycle(RequestResponseCycle):
             self.response_started = False
             self._unexpected()
             return
-        self.transport.write(b"%scontent-length: %d\r\n\r\n%s" % (head, len(payload), payload))
+        size = len(payload)
+        if self.method == "HEAD":  # a 405: the head says what the body would be
+            payload = b""
+        elif self.observation is not None:
+            self.observation.sent(size)
+        self.transport.write(b"%scontent-length: %d\r\n\r\n%s" % (head, size, payload))
         self._complete()
+
+    def _chunk(self, data: bytes) -> bytes:
+        """`data` as one HTTP chunk (none when it is empty)."""
+        if not data:
+            return b""
+        if self.observation is not None:
+            self.observation.sent(len(data))
+        return b"%x\r\n%s\r\n" % (len(data), data)
 
     def _answer_error(self, error: ServingError) -> None:
         if isinstance(error, PayloadTooLarge):
@@ -367,17 +428,28 @@ class ProtocolCycle(RequestResponseCycle):
         self.response_complete = True
         if not self.keep_alive:
             self.transport.close()
+        if self.observation is not None:
+            self._observed_end()
         on_response, self.on_response = self.on_response, _nothing
         on_response()
+
+    def _observed_end(self) -> None:
+        """The access line and the span's end, once: the answer is sent or the client gone."""
+        observation, self.observation = self.observation, None
+        if observation is not None:
+            observation.close(self.route.template)
 
 
 def _nothing() -> None:
     pass
 
 
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
-
-
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the request body is larger than the server's limit of {limit} bytes")
+def _scope(protocol: InferenceHttpProtocol, method: str, path: str) -> dict[str, Any]:
+    """What the access log and tracing read of a request head, as an ASGI scope has it, with
+    the client and scheme a loopback proxy forwards."""
+    scope = {
+        "type": "http", "method": method, "path": path, "headers": protocol.headers,
+        "client": protocol.client, "server": protocol.server, "scheme": protocol.scheme,
+        "http_version": protocol.parser.get_http_version(),
+    }  # fmt: skip
+    return forwarded_scope(scope)

@@ -1,5 +1,6 @@
-"""Answers in parts over HTTP: TorchServe's chunked `/predictions`, and Triton's generate
-extension (`/generate` for one answer, `/generate_stream` as Server-Sent Events).
+"""Answers in parts over the ASGI app: Triton's generate extension (`/generate` for one answer,
+`/generate_stream` as Server-Sent Events). TorchServe's chunked `/predictions` is written by the
+HTTP protocol (`protocol_cycle.py`), by the same rules.
 
 The status line waits for the first part: a request that fails before it is answered with its
 error status, as every other route answers (Triton's generate does the same). Later errors end
@@ -20,9 +21,8 @@ from starlette.responses import Response, StreamingResponse
 
 from scriptserve.handlers.base import InferenceResponse
 from scriptserve.server.admission import Served
-from scriptserve.server.codec import generate, torchserve
+from scriptserve.server.codec import generate
 from scriptserve.server.errors import ServingError
-from scriptserve.server.rest.errors import error_body
 from scriptserve.server.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest.streams")
@@ -104,19 +104,6 @@ async def answer(
         return Response(payload, status, headers=headers, media_type=content_type)
     body = _rest(stream, payload, lambda served: encode(served)[0], failed)
     return StreamingResponse(body, status, headers=headers, media_type=media_type or content_type)
-
-
-def _prediction(served: Served) -> tuple[bytes, int, dict[str, str] | None, str]:
-    payload, content_type = torchserve.prediction_payload(served.response)
-    return payload, served.response.status, served.response.headers or None, content_type
-
-
-async def predictions_answer(stream: Stream, request: Request) -> Response:
-    """TorchServe's `/predictions`: the answer, or its parts as HTTP chunks (TorchServe's
-    streaming handlers)."""
-    return await answer(
-        stream, request, _prediction, None, lambda exc: error_body("/predictions", exc)
-    )
 
 
 def _generate(served: Served) -> bytes:

@@ -1,10 +1,11 @@
-"""The inference routes answered by the HTTP protocol itself (server/rest/protocol_routes.py).
+"""The inference routes answered by the HTTP protocol itself (server/rest/protocol_routes.py),
+their one implementation whatever is switched on.
 
-Two real servers of the same models: one as it runs by default (the protocol answers
-`/predictions` and OIP's `infer`), one with the access log on (every request goes through the
-ASGI app). Each request gets the same answer from both; what only the protocol's path does
-(withdrawing a request whose client left, pipelining, `Expect: 100-continue`) is checked on
-raw sockets.
+Two real servers of the same models, both with an inference key and a body limit: one as it
+runs by default, one with the access log and tracing on (every request sampled, exported to a
+real OTLP receiver). Each request gets the same answer from both, and the observed one writes
+an access line and a span for each; what the protocol does on a connection (withdrawing a
+request whose client left, pipelining, `Expect: 100-continue`) is checked on raw sockets.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from otlp import GrpcReceiver
 from serving import ServerProcess
 from testmodels import SlowMLP, reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.server.rest.protocol_routes import inference_route
 
 KEY = "direct-routes-key"
 MAX_BODY = 4096
@@ -67,10 +70,85 @@ def direct(store: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def through_asgi(store: Path) -> Iterator[ServerProcess]:
-    proc = _start(store, "--access-log", str(store.parent / "access.log"))
-    yield proc
+def receiver() -> Iterator[GrpcReceiver]:
+    found = GrpcReceiver()
+    yield found
+    found.stop()
+
+
+@dataclass
+class Observed:
+    server: ServerProcess
+    access_log: Path
+    receiver: GrpcReceiver
+
+
+@pytest.fixture(scope="module")
+def observed(store: Path, receiver: GrpcReceiver) -> Iterator[Observed]:
+    access = store.parent / "access.log"
+    proc = ServerProcess(
+        store, "--workers", "1", "--max-request-bytes", str(MAX_BODY),
+        "--access-log", str(access), "--access-log-format", "json", "--tracing",
+        "--tracing-endpoint", receiver.endpoint, "--tracing-protocol", "grpc",
+        env={"SCRIPTSERVE_INFERENCE_KEY": KEY, "OTEL_BSP_SCHEDULE_DELAY": "50"},
+    ).start()  # fmt: skip
+    yield Observed(proc, access, receiver)
     proc.stop()
+
+
+# -- which paths the protocol answers --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/predictions/mnist", ("/predictions/{model_name}", "mnist", None)),
+        ("/predictions/mnist/2.0", ("/predictions/{model_name}/{version}", "mnist", "2.0")),
+        ("/v2/models/mnist/infer", ("/v2/models/{model_name}/infer", "mnist", None)),
+        (
+            "/v2/models/mnist/versions/3/infer",
+            ("/v2/models/{model_name}/versions/{version}/infer", "mnist", "3"),
+        ),
+        # Left to FastAPI: empty segments, trailing slashes, other routes.
+        ("/predictions/", None),
+        ("/predictions/mnist/", None),
+        ("/predictions//2.0", None),
+        ("/predictions/mnist/2.0/extra", None),
+        ("/v2/models//infer", None),
+        ("/v2/models/mnist/3/infer", None),
+        ("/v2/models/mnist/versions//infer", None),
+        ("/v2/models/mnist/generate", None),
+        ("/v2/models/infer", None),
+    ],
+)
+def test_which_paths_are_inference_routes(
+    path: str, expected: tuple[str, str, str | None] | None
+) -> None:
+    found = inference_route(path)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    route, name, version = found
+    assert (route.template, name, version) == expected
+
+
+def test_the_openapi_document_describes_the_inference_routes(direct: ServerProcess) -> None:
+    paths = httpx.get(f"{direct.url}/openapi.json", headers=AUTH).json()["paths"]
+    for path, methods in (
+        ("/predictions/{model_name}", {"post", "put"}),
+        ("/predictions/{model_name}/{version}", {"post", "put"}),
+        ("/v2/models/{model_name}/infer", {"post"}),
+        ("/v2/models/{model_name}/versions/{version}/infer", {"post"}),
+    ):
+        assert set(paths[path]) == methods, path
+        params = {p["name"] for p in paths[path]["post"]["parameters"]}
+        assert params == ({"model_name", "version"} if "{version}" in path else {"model_name"})
+    assert "/v2/models/{model_name}/generate" in paths  # the app's own routes stay
+
+
+def test_a_path_beside_the_inference_routes_is_not_found(direct: ServerProcess) -> None:
+    r = httpx.post(f"{direct.url}/predictions/", json=ROW, headers=AUTH)
+    assert r.status_code == 404
+    assert r.json()["type"] == "RouteNotFound"
 
 
 # -- the same answer either way -------------------------------------------------------------------
@@ -101,29 +179,63 @@ CASES: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
     "no key": ("POST", "/v2/models/tiny/infer", OIP_ROW.encode(), {"Authorization": ""}),
     "wrong key": ("POST", "/predictions/tiny", b"[1]", {"Authorization": "Bearer nope"}),
     "too large": ("POST", "/predictions/tiny", b"[" + b"0," * MAX_BODY + b"0]", JSON),
-    "multipart (the ASGI app reads forms)": ("POST", "/predictions/tiny", b"", {}),
-    "GET (not a direct route)": ("GET", "/predictions/tiny", b"", {}),
+    "multipart": ("POST", "/predictions/tiny", b"", {}),
+    "no boundary": ("POST", "/predictions/tiny", b"x", {"Content-Type": "multipart/form-data"}),
+    "GET": ("GET", "/predictions/tiny", b"", {}),
+    "GET, OIP": ("GET", "/v2/models/tiny/versions/1.0/infer", b"", {}),
 }
+ANSWER_HEADERS = ("date", "x-request-id", "traceparent")
+"""What differs from one answer to the next, or is there only while observed."""
 
 
-def _answer(server: ServerProcess, case: str) -> tuple[int, dict[str, str], bytes]:
+def _answer(
+    server: ServerProcess, case: str, request_id: str | None = None
+) -> tuple[int, dict[str, str], bytes, str | None]:
     method, path, body, headers = CASES[case]
-    files = {"data": ("row.json", json.dumps(ROW).encode())} if "multipart" in case else None
+    files = {"data": ("row.json", json.dumps(ROW).encode())} if case == "multipart" else None
+    extra = {"X-Request-Id": request_id} if request_id else {}
     r = httpx.request(
         method, server.url + path, content=body or None, files=files,
-        headers={**AUTH, **headers}, timeout=30,
+        headers={**AUTH, **headers, **extra}, timeout=30,
     )  # fmt: skip
-    kept = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
-    return r.status_code, kept, r.content
+    kept = {k: v for k, v in r.headers.items() if k not in ANSWER_HEADERS}
+    return r.status_code, kept, r.content, r.headers.get("traceparent")
+
+
+def _access_line(access_log: Path, request_id: str) -> dict[str, object]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in access_log.read_text().splitlines() if access_log.exists() else ():
+            if json.loads(line)["request_id"] == request_id:
+                return dict(json.loads(line))
+        time.sleep(0.05)
+    raise AssertionError(f"no access line for {request_id}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_protocol_answers_as_the_asgi_app_does(
-    direct: ServerProcess, through_asgi: ServerProcess, case: str
+def test_the_same_route_answers_alike_with_the_access_log_and_tracing_on(
+    direct: ServerProcess, observed: Observed, case: str
 ) -> None:
-    status, headers, body = _answer(direct, case)
-    assert (status, headers, body) == _answer(through_asgi, case)
+    status, headers, body, untraced = _answer(direct, case)
+    request_id = f"switch-{list(CASES).index(case)}"
+    *answer, traceparent = _answer(observed.server, case, request_id)
+    assert (status, headers, body) == tuple(answer)
     assert status in (200, 400, 401, 404, 405, 413)
+    method, path = CASES[case][:2]
+    line = _access_line(observed.access_log, request_id)
+    assert (line["method"], line["path"], line["status"]) == (method, path, status)
+    assert line["bytes"] == len(body)
+    if status == 200:
+        assert (line["model"], line["version"]) == ("tiny", "1.0")
+    assert untraced is None and traceparent is not None
+    spans = observed.receiver.trace(traceparent.split("-")[1], 1)
+    (span,) = [s for s in spans if s.kind == "SERVER"]
+    matched = inference_route(path)
+    assert matched is not None
+    route = matched[0].template
+    assert span.name == f"{method} {route}"
+    assert span.attributes["http.route"] == route
+    assert span.attributes["http.response.status_code"] == status
     if status == 200 and headers["content-type"] == "application/json":
         served = json.loads(body)
         values = served if isinstance(served, list) else served["outputs"][0]["data"]

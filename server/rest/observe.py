@@ -1,0 +1,196 @@
+"""What the access log and tracing keep of each HTTP request, in one place for both ways a request
+is answered: the inference routes the HTTP protocol answers itself (`protocol_cycle.py` opens an
+`Observation` when it reads the head) and every other route, behind the `Observed` ASGI layer.
+
+An observation opens the request's `AccessRecord` and its server span (the child of the client's
+`traceparent`), is made current while the data plane runs the request (so it notes the model,
+the request id and the queued jobs, server/access_log.py and server/tracing.py), adds
+`X-Request-Id` and `traceparent` to the answer's head, counts the bytes of the answer and, once
+the answer is sent, writes the access line and ends the span. It is made only while the access
+log or tracing is on: with both off a request pays one attribute test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+from scriptserve.handlers.base import new_request_id
+from scriptserve.server import access_log, tracing
+from scriptserve.server.access_log import AccessLog, AccessRecord, usable_request_id
+from scriptserve.server.tracing import TRACEPARENT, TRACESTATE, Tracing, error_for_http
+
+_REQUEST_ID = b"x-request-id"
+_TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
+_TRACEPARENT = TRACEPARENT.encode()
+CLIENT_GONE = 499
+"""The status an access line records for a request whose client went away before its answer."""
+
+
+class Observers:
+    """The access log and tracing of an HTTP server; `enabled` when either is on."""
+
+    def __init__(self, access: AccessLog, tracing: Tracing) -> None:
+        self.access = access
+        self.tracing = tracing
+        self.enabled = access.enabled or tracing.enabled
+
+    def open(self, scope: Scope) -> Observation:
+        """The observation of a request that arrived now (`scope`: an ASGI HTTP scope, or what
+        the protocol makes of a request head in its form)."""
+        return Observation(self, scope)
+
+
+class Observation:
+    """One HTTP request as the access log and tracing see it (see the module)."""
+
+    __slots__ = ("_observers", "method", "record", "status", "trace")
+
+    def __init__(self, observers: Observers, scope: Scope) -> None:
+        self._observers = observers
+        method: str = scope["method"]
+        self.method = method
+        self.status = 500  # what the HTTP server answers when the app raises before answering
+        self.record: AccessRecord | None = None
+        self.trace: tracing.RequestTrace | None = None
+        headers = scope["headers"]
+        if observers.access.enabled:
+            given = next((v for k, v in headers if k == _REQUEST_ID), None)
+            request_id = usable_request_id(given.decode("latin-1")) if given is not None else None
+            self.record = AccessRecord(method, scope["path"], _client(scope), "rest", request_id)
+        tracer = observers.tracing
+        if tracer.enabled:
+            trace_headers = {
+                k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in _TRACE_HEADERS
+            }
+            trace = None if trace_headers else tracer.unsampled_root()
+            if trace is None:
+                trace = tracer.start(method, trace_headers, _attributes(scope, method))
+            self.trace = trace
+
+    def enter(self) -> None:
+        """Make this request the one the data plane notes in, for the rest of the current
+        context (the protocol runs each request in a context of its own)."""
+        if self.record is not None:
+            access_log.enter(self.record)
+        if self.trace is not None:
+            tracing.enter(self.trace)
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        """This request the one the data plane notes in, while the block runs."""
+        with access_log.opened(self.record), tracing.opened(self.trace):
+            yield
+
+    def answered(self, status: int) -> list[tuple[bytes, bytes]]:
+        """The answer starts with `status`: the header lines to add to its head."""
+        self.status = status
+        lines: list[tuple[bytes, bytes]] = []
+        record = self.record
+        if record is not None:
+            if record.request_id is None:
+                record.request_id = new_request_id()
+            lines.append((_REQUEST_ID, record.request_id.encode()))
+        if self.trace is not None:
+            traceparent = self._observers.tracing.traceparent(self.trace)
+            lines.append((_TRACEPARENT, traceparent.encode()))
+        return lines
+
+    def sent(self, size: int) -> None:
+        """`size` bytes of the answer's body went out."""
+        if self.record is not None:
+            self.record.bytes_sent += size
+
+    def close(self, route: str | None) -> None:
+        """The answer is sent (or the client went away): write the access line and end the
+        span, named after `route`, the route's template, when one matched."""
+        record, trace = self.record, self.trace
+        if record is not None:
+            record.finish(self.status)
+            self._observers.access.write(record)
+        if trace is not None and trace.recording:
+            if route is not None:
+                trace.span.update_name(f"{self.method} {route}")
+            ended: dict[str, str | int] = {"http.response.status_code": self.status}
+            if route is not None:
+                ended["http.route"] = route
+            self._observers.tracing.end(trace, ended, error_for_http(self.status))
+
+
+class Observed:
+    """An ASGI app whose every HTTP request is observed; outside the request guard, so refused
+    requests are logged and traced too."""
+
+    def __init__(self, app: ASGIApp, observers: Observers) -> None:
+        self.app = app
+        self.observers = observers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        observation = self.observers.open(scope)
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                lines = observation.answered(message["status"])
+                message = {**message, "headers": [*message.get("headers", ()), *lines]}
+            elif message["type"] == "http.response.body":
+                observation.sent(len(message.get("body", b"")))
+            await send(message)
+
+        with observation.opened():
+            try:
+                await self.app(scope, receive, observed_send)
+            finally:
+                observation.close(getattr(scope.get("route"), "path", None))
+
+
+async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
+    return None
+
+
+_PROXY_HEADERS = ProxyHeadersMiddleware(_no_app)  # type: ignore[arg-type]
+
+
+def forwarded_scope(scope: dict[str, Any]) -> dict[str, Any]:
+    """`scope` with the client's address and scheme from `X-Forwarded-For` /
+    `X-Forwarded-Proto` when the peer is a proxy on loopback: uvicorn's own rule, as its
+    proxy-headers layer applies it in front of the ASGI apps. The layer awaits nothing but its
+    app, which returns at once, so it runs to its end in one step."""
+    step = _PROXY_HEADERS(scope, _never, _never)  # type: ignore[arg-type]
+    try:
+        step.send(None)
+    except StopIteration:
+        return scope
+    step.close()
+    raise RuntimeError("uvicorn's proxy-headers layer awaited something other than its app")
+
+
+async def _never() -> None:
+    raise RuntimeError("not called")
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
+
+
+def _attributes(scope: Scope, method: str) -> dict[str, str | int]:
+    """A request span's attributes at its start (OpenTelemetry's HTTP server conventions)."""
+    attributes: dict[str, str | int] = {
+        "http.request.method": method,
+        "url.path": scope["path"],
+        "url.scheme": scope.get("scheme", "http"),
+        "network.protocol.version": scope.get("http_version", "1.1"),
+    }
+    client, server = scope.get("client"), scope.get("server")
+    if client:
+        attributes["client.address"], attributes["client.port"] = client[0], client[1]
+    if server:
+        attributes["server.address"], attributes["server.port"] = server[0], server[1]
+    return attributes
