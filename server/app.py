@@ -236,7 +236,7 @@ async def serve(settings: ServerSettings) -> int:
     for served, sock in zip(apps, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("%s API listening on http://%s:%d", served.name, host, port)
-    grpc_servers = GrpcServers(dataplane, management, settings, keys, repository, tracing)
+    grpc_servers = GrpcServers(dataplane, management, settings, keys, repository, tracing, access)
     try:
         grpc_servers.bind(settings.grpc_inference_address, settings.grpc_management_address)
     except RuntimeError as exc:

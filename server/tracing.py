@@ -246,12 +246,20 @@ class Tracing:
         """For a request without a `traceparent`: a trace that records nothing when the sampling
         ratio leaves it out (made without the SDK), else None (open it with `start`). Always
         None when the sampler is the SDK's own (OTEL_TRACES_SAMPLER)."""
+        ids = self.left_out_root()
+        if ids is None:
+            return None
+        span, context, flags = self._left_out
+        return RequestTrace(span(context(*ids, False, flags)), 0.0)
+
+    def left_out_root(self) -> tuple[int, int] | None:
+        """For a request without a `traceparent`: the trace and span ids of a trace the sampling
+        ratio leaves out (nothing records it: only its `traceparent`, `left_out_traceparent`,
+        goes back), else None (open it with `start`)."""
         ratio = self._root_ratio
         if ratio is None or random.random() < ratio:
             return None
-        span, context, flags = self._left_out
-        ids = random.getrandbits(128) or 1, random.getrandbits(64) or 1
-        return RequestTrace(span(context(*ids, False, flags)), 0.0)
+        return random.getrandbits(128) or 1, random.getrandbits(64) or 1
 
     def traceparent(self, trace: RequestTrace) -> str:
         """The W3C traceparent of the request's span, returned to the client."""
@@ -390,3 +398,8 @@ def error_for_http(status: int) -> str | None:
 
 def error_for_grpc(code: str) -> str | None:
     return code if code in GRPC_SERVER_ERRORS else None
+
+
+def left_out_traceparent(ids: tuple[int, int]) -> str:
+    """The W3C traceparent of a root the sampling ratio left out (`Tracing.left_out_root`)."""
+    return f"00-{ids[0]:032x}-{ids[1]:016x}-00"

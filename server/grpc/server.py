@@ -90,13 +90,14 @@ class GrpcServers:
         keys: AccessKeys | None = None,
         repository: ModelRepository | None = None,
         tracing: Tracing | None = None,
+        access: AccessLog | None = None,
     ) -> None:
         keys = keys or AccessKeys(None, None, enforced=False)
         repository = repository or ModelRepository(management)
         options = server_options(settings)
         # The access log sees every call, refused ones too; then the key check runs: a call
         # without its key is refused whatever it carries.
-        self.access = AccessLog(settings.access_log, settings.access_log_format)
+        self.access = access or AccessLog(settings.access_log, settings.access_log_format)
         logged = [AccessInterceptor(self.access)] if self.access.enabled else []
         if tracing is not None and tracing.enabled:
             logged.append(TracingInterceptor(tracing))

@@ -7,13 +7,15 @@ An observation opens the request's `AccessRecord` and its server span (the child
 the request id and the queued jobs, server/access_log.py and server/tracing.py), adds
 `X-Request-Id` and `traceparent` to the answer's head, counts the bytes of the answer and, once
 the answer is sent, writes the access line and ends the span. It is made only while the access
-log or tracing is on: with both off a request pays one attribute test.
+log or tracing is on (with both off a request pays one attribute test), and reads no more of
+the request than what is on: a request the sampling ratio leaves out, with the access log
+off, costs a scan of its headers and a `traceparent` of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,11 +24,18 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from scriptserve.handlers.base import new_request_id
 from scriptserve.server import access_log, tracing
 from scriptserve.server.access_log import AccessLog, AccessRecord, usable_request_id
-from scriptserve.server.tracing import TRACEPARENT, TRACESTATE, Tracing, error_for_http
+from scriptserve.server.tracing import (
+    TRACEPARENT,
+    TRACESTATE,
+    Tracing,
+    error_for_http,
+    left_out_traceparent,
+)
 
 _REQUEST_ID = b"x-request-id"
 _TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
 _TRACEPARENT = TRACEPARENT.encode()
+Headers = Sequence[tuple[bytes, bytes]]
 CLIENT_GONE = 499
 """The status an access line records for a request whose client went away before its answer."""
 
@@ -39,42 +48,64 @@ class Observers:
         self.tracing = tracing
         self.enabled = access.enabled or tracing.enabled
 
-    def open(self, scope: Scope) -> Observation:
-        """The observation of a request that arrived now (`scope`: an ASGI HTTP scope, or what
-        the protocol makes of a request head in its form)."""
-        return Observation(self, scope)
+    def open(
+        self, method: str, path: str, headers: Headers, scope: Callable[[], Scope]
+    ) -> Observation:
+        """The observation of a request that arrived now; `scope` makes its ASGI scope (or what
+        the protocol makes of a request head in that form), called only when something reads
+        more of the request than its method, path and headers."""
+        return Observation(self, method, path, headers, scope)
 
 
 class Observation:
-    """One HTTP request as the access log and tracing see it (see the module)."""
+    """One HTTP request as the access log and tracing see it (see the module).
 
-    __slots__ = ("_observers", "method", "record", "status", "trace")
+    `noted` says whether the data plane has anything to note in it: False for a request the
+    access log does not see and the sampling ratio leaves out, which only gets a `traceparent`
+    of its own.
+    """
 
-    def __init__(self, observers: Observers, scope: Scope) -> None:
+    __slots__ = ("_observers", "_traceparent", "method", "noted", "record", "status", "trace")
+
+    def __init__(
+        self,
+        observers: Observers,
+        method: str,
+        path: str,
+        headers: Headers,
+        scope: Callable[[], Scope],
+    ) -> None:
         self._observers = observers
-        method: str = scope["method"]
         self.method = method
         self.status = 500  # what the HTTP server answers when the app raises before answering
         self.record: AccessRecord | None = None
         self.trace: tracing.RequestTrace | None = None
-        headers = scope["headers"]
+        self._traceparent: bytes | None = None
+        given: bytes | None = None
+        trace_headers: dict[str, str] = {}
+        for name, value in headers:
+            if name == _REQUEST_ID:
+                given = value
+            elif name in _TRACE_HEADERS:
+                trace_headers[name.decode("latin-1")] = value.decode("latin-1")
+        made: Scope | None = None
         if observers.access.enabled:
-            given = next((v for k, v in headers if k == _REQUEST_ID), None)
+            made = scope()
             request_id = usable_request_id(given.decode("latin-1")) if given is not None else None
-            self.record = AccessRecord(method, scope["path"], _client(scope), "rest", request_id)
+            self.record = AccessRecord(method, path, _client(made), "rest", request_id)
         tracer = observers.tracing
         if tracer.enabled:
-            trace_headers = {
-                k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in _TRACE_HEADERS
-            }
-            trace = None if trace_headers else tracer.unsampled_root()
-            if trace is None:
-                trace = tracer.start(method, trace_headers, _attributes(scope, method))
-            self.trace = trace
+            left_out = None if trace_headers else tracer.left_out_root()
+            if left_out is not None:
+                self._traceparent = left_out_traceparent(left_out).encode()
+            else:
+                made = made or scope()
+                self.trace = tracer.start(method, trace_headers, _attributes(made, method))
+        self.noted = self.record is not None or self.trace is not None
 
     def enter(self) -> None:
         """Make this request the one the data plane notes in, for the rest of the current
-        context (the protocol runs each request in a context of its own)."""
+        context (the protocol runs each noted request in a context of its own)."""
         if self.record is not None:
             access_log.enter(self.record)
         if self.trace is not None:
@@ -98,6 +129,8 @@ class Observation:
         if self.trace is not None:
             traceparent = self._observers.tracing.traceparent(self.trace)
             lines.append((_TRACEPARENT, traceparent.encode()))
+        elif self._traceparent is not None:
+            lines.append((_TRACEPARENT, self._traceparent))
         return lines
 
     def sent(self, size: int) -> None:
@@ -133,7 +166,9 @@ class Observed:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        observation = self.observers.open(scope)
+        observation = self.observers.open(
+            scope["method"], scope["path"], scope["headers"], lambda: scope
+        )
 
         async def observed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -157,11 +192,16 @@ async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
 _PROXY_HEADERS = ProxyHeadersMiddleware(_no_app)  # type: ignore[arg-type]
 
 
+_FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto")
+
+
 def forwarded_scope(scope: dict[str, Any]) -> dict[str, Any]:
     """`scope` with the client's address and scheme from `X-Forwarded-For` /
     `X-Forwarded-Proto` when the peer is a proxy on loopback: uvicorn's own rule, as its
     proxy-headers layer applies it in front of the ASGI apps. The layer awaits nothing but its
     app, which returns at once, so it runs to its end in one step."""
+    if not any(name in _FORWARDED for name, _ in scope["headers"]):
+        return scope
     step = _PROXY_HEADERS(scope, _never, _never)  # type: ignore[arg-type]
     try:
         step.send(None)

@@ -110,7 +110,8 @@ class ProtocolCycle(RequestResponseCycle):
                 self.header_length = value.decode("latin-1")
         self.observation: Observation | None = None
         if routes.observers.enabled:
-            self.observation = routes.observers.open(_scope(protocol, method, path))
+            scope = functools.partial(_scope, protocol, method, path)
+            self.observation = routes.observers.open(method, path, protocol.headers, scope)
 
     @property
     def message_event(self) -> ProtocolCycle:  # type: ignore[override]
@@ -170,7 +171,7 @@ class ProtocolCycle(RequestResponseCycle):
         context of its own, where the data plane notes what the access log and tracing
         record."""
         self.running = True
-        if self.observation is None:
+        if self.observation is None or not self.observation.noted:
             self._loop.call_soon(self._run)
             return
         context = contextvars.copy_context()

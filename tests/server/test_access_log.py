@@ -6,7 +6,6 @@ a key, a body or a query string in any log."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,7 +210,6 @@ def test_plain_lines_are_single_lines(tmp_path: Path) -> None:
         access.write(record)
     finally:
         access.close()
-    logging.getLogger("scriptserve.access").propagate = True
     text = (tmp_path / "access.log").read_text()
     assert text.count("\n") == 1
     assert '"GET /v2/models/a\\nFORGED 200" rest' in text and "status=404" in text
@@ -232,3 +230,29 @@ def test_a_loopback_proxys_forwarded_client_is_logged(logged: tuple[ServerProces
             r = httpx.get(server.url + path, headers={**forwarded, "X-Request-Id": request_id})
         assert r.status_code == 200, r.text
         assert line_for(access, request_id)["client"] == "203.0.113.7:0"
+
+
+def test_lines_reach_the_file_whole_and_in_order_within_the_flush_interval(tmp_path: Path) -> None:
+    # Lines are gathered and written together (every 100 ms or 64 KiB), never one system call
+    # a request: none may be split, reordered, or wait for the log to close.
+    path = tmp_path / "access.log"
+    access = AccessLog(str(path), "json")
+    try:
+        count = 2000  # over 64 KiB of lines: some writes are made by size, the rest by time
+        for i in range(count):
+            record = AccessRecord("POST", "/predictions/tiny", "127.0.0.1:1", "rest", f"id-{i}")
+            record.finish(200)
+            access.write(record)
+        deadline = time.monotonic() + 2.0
+        found: list[str] = []
+        while time.monotonic() < deadline:
+            found = path.read_text().splitlines()
+            if len(found) == count:
+                break
+            time.sleep(0.02)
+        assert [json.loads(line)["request_id"] for line in found] == [
+            f"id-{i}" for i in range(count)
+        ]
+        assert path.stat().st_size > 64 * 1024
+    finally:
+        access.close()

@@ -1,15 +1,16 @@
-"""What tracing costs scenario A: the same tree with tracing off, on with every trace sampled,
-and on with 1 % sampled (and, given `--before`, a tree from before tracing existed), each
-loaded in turn by wrk round after round, as benchmarks/ab.py does.
+"""What the access log and tracing cost scenario A: the same tree with both off, with the access
+log on (JSON lines to a file), with tracing on at a sampling ratio of 0.01 and of 0 (and, with
+`--all`, every trace sampled; given `--before`, another tree with both off), each loaded in
+turn by wrk round after round, as benchmarks/ab.py does.
 
-    python -m benchmarks.tracing [--before /tmp/before-venv/bin/python] [--rounds 6]
+    python -m benchmarks.switches [--before /tmp/before-venv/bin/python] [--rounds 6] [--all]
 
 Spans go over OTLP/gRPC to benchmarks/otlp_sink.py, a receiver in its own process on this
 machine that decodes and counts them (a collector elsewhere would take that CPU off the
 server's machine). After each load the benchmark waits for the servers and the receiver to go
 quiet, so spans still being exported from one server's round are not charged to the next.
-Prints each round, the medians and the per-round ratios to tracing off, and
-writes them to benchmarks/results/tracing-<date>.json.
+Prints each round, the medians and the per-round ratios to both off, and writes them to
+benchmarks/results/switches-<date>.json.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def traced(endpoint: str, ratio: float) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tracing", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.switches", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--before", help="python of a tree from before tracing (tracing off)")
+    p.add_argument("--before", help="python of another tree, served with both off")
+    p.add_argument("--all", action="store_true", help="also tracing with every trace sampled")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
@@ -75,13 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     assert sink.stdout is not None
     sink.stdout.readline()  # listening
     try:
-        with tempfile.TemporaryDirectory(prefix="scriptserve-tracing-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="scriptserve-switches-") as tmp:
             store = Path(tmp) / "store"
             model = models.build("mlp", Path(tmp) / "work", store)
+            access = {"SCRIPTSERVE_ACCESS_LOG": str(Path(tmp) / "access.log"),
+                      "SCRIPTSERVE_ACCESS_LOG_FORMAT": "json"}  # fmt: skip
+            configurations = {
+                "off": {},
+                "access-log": access,
+                "tracing-0.01": traced(endpoint, 0.01),
+                "tracing-0": traced(endpoint, 0.0),
+            }
+            if args.all:
+                configurations["tracing-1"] = traced(endpoint, 1.0)
             servers: dict[str, ServerProcess] = {
-                "off": server("off", sys.executable, store, {}),
-                "on-100%": server("on-100%", sys.executable, store, traced(endpoint, 1.0)),
-                "on-1%": server("on-1%", sys.executable, store, traced(endpoint, 0.01)),
+                label: server(label, sys.executable, store, env)
+                for label, env in configurations.items()
             }
             if args.before:
                 servers["before"] = server("before", args.before, store, {})
@@ -114,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     host = {"cpus": os.cpu_count(), "load_average_before": load_before,
             "load_average_after": os.getloadavg()}  # fmt: skip
     print(report.host_line(host))
-    out = args.output or RESULTS / f"tracing-{started:%Y-%m-%dT%H%M}.json"
+    out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
-        "benchmark": "tracing", "started": started.isoformat(timespec="seconds"),
+        "benchmark": "switches", "configurations": list(runs), "started": started.isoformat(timespec="seconds"),
         "before": args.before, "seconds": args.seconds, "host": host, "runs": runs,
         "medians": medians, "ratios_to_off": ratios, "otlp_receiver": received,
     }  # fmt: skip
