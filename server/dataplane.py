@@ -5,15 +5,21 @@ a request (resolved once, and the answer names it), in which order a request is 
 model first, then what the client sent), whether the server and a model are ready, the
 deadline (a client may shorten the server's, never lengthen it; a timer answers 504 on time
 whatever the worker does), which outputs a tensor protocol answers with, and the metrics of
-every outcome. A request either returns a `Served` or raises a `ServingError`.
+every outcome. A request either is answered with a `Served` or ends with a `ServingError`.
 
-    served = await dataplane.infer("mnist", None, decode, protocol="rest")
-    served.model_version, served.outputs
+One entry per kind of answer, each a `Call` (admission, deadline, in-flight count, the access
+log's and tracing's notes, metrics) around the request's job:
+
+    withdraw = dataplane.respond("mnist", None, decode, reply, protocol="rest")  # one answer
+    stream = dataplane.stream("mnist", None, request, protocol="rest")  # in parts
+    served = await dataplane.infer("mnist", None, decode, protocol="grpc")  # respond, awaited
+    answers = await dataplane.infer_many("mnist", None, decode, protocol="rest")  # KServe v1
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +58,66 @@ log = logging.getLogger("scriptserve.dataplane")
 
 UNKNOWN_LABEL = "_unknown"
 """Metric label of a model or version the registry does not hold (no model name starts with _)."""
+
+
+class Call:
+    """One request in the data plane, from its admission to its last metric: the model version
+    that serves it, its job and deadline timer, its place in the in-flight count, and the one
+    callback (`end`) that stops the timer, leaves the count and counts the outcome."""
+
+    __slots__ = ("job", "mv", "name", "plane", "protocol", "started", "timeout_s", "timer")
+
+    def __init__(self, plane: DataPlane, name: str, protocol: str, timeout_s: float | None) -> None:
+        self.plane = plane
+        self.name = name
+        self.protocol = protocol
+        self.timeout_s = timeout_s
+        self.started = time.perf_counter()
+        self.mv: ModelVersion | None = None
+        """Once resolved: the version that serves the request (its metric labels)."""
+
+    def admit(self, version: str | None, request: Request, streaming: bool = False) -> Job:
+        """Resolve the model version and queue the request with its deadline (with a
+        PartStream when `streaming`); counted in flight. A refusal raises the ServingError
+        that answers it, counted."""
+        plane = self.plane
+        try:
+            mv = self.mv = plane._serving(self.name, version, streaming)
+            self.job, self.timer = plane._enqueue(mv, request, self.timeout_s, streaming)
+        except ServingError as exc:
+            self.count(exc.status)
+            raise
+        plane._inflight.enter(mv)
+        note_answered_when(self.job.future)
+        return self.job
+
+    def end(
+        self,
+        answer: Callable[[asyncio.Future[InferenceResponse]], int] | None,
+        future: asyncio.Future[InferenceResponse],
+    ) -> None:
+        """The job's future is done: `answer` passes a finished (not cancelled) outcome on and
+        says with which status it ended."""
+        mv = self.mv
+        assert mv is not None
+        self.timer.cancel()
+        self.plane._inflight.leave(mv)
+        if future.cancelled():
+            mv.batcher.cancel(self.job)  # the client went away: free its slot if still queued
+            status = cancelled_status(self.started, self.timeout_s)
+        elif answer is not None:
+            status = answer(future)
+        else:
+            error = future.exception()
+            status = 200 if error is None else getattr(error, "status", 500)
+        self.count(status)
+
+    def count(self, status: int) -> None:
+        """The request's outcome in the metrics, under its model version once known."""
+        mv = self.mv
+        labels = (mv.name, mv.version) if mv is not None else self.plane._unknown(self.name)
+        elapsed = time.perf_counter() - self.started
+        self.plane.metrics.observe_request(*labels, self.protocol, status, elapsed)
 
 
 class DataPlane(DescribesModels):
@@ -93,50 +159,6 @@ class DataPlane(DescribesModels):
         return not self.draining and self.registry.get(name, version).ready
 
     # -- inference ---------------------------------------------------------------------------
-    async def infer(
-        self,
-        name: str,
-        version: str | None,
-        request: Request,
-        *,
-        protocol: str,
-        timeout_s: float | None = None,
-    ) -> Served:
-        """Run one request, given as it is or as the function that decodes it (called once the
-        model is known to serve). Raises ServingError; cancelled, it withdraws the request."""
-        return await self.submit(name, version, request, protocol=protocol, timeout_s=timeout_s)
-
-    def submit(
-        self,
-        name: str,
-        version: str | None,
-        request: Request,
-        *,
-        protocol: str,
-        timeout_s: float | None = None,
-    ) -> asyncio.Future[Served]:
-        """`respond` as a future: the answer (or its ServingError) comes as the returned
-        future's; cancelling it withdraws the request."""
-        outcome: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-
-        def reply(answer: Served | BaseException) -> None:
-            if outcome.done():
-                return
-            if isinstance(answer, Served):
-                outcome.set_result(answer)
-            else:
-                outcome.set_exception(answer)
-
-        try:
-            withdraw = self.respond(
-                name, version, request, reply, protocol=protocol, timeout_s=timeout_s
-            )
-        except ServingError as exc:
-            outcome.set_exception(exc)
-            return outcome
-        outcome.add_done_callback(lambda future: withdraw() if future.cancelled() else None)
-        return outcome
-
     def respond(
         self,
         name: str,
@@ -147,21 +169,15 @@ class DataPlane(DescribesModels):
         protocol: str,
         timeout_s: float | None = None,
     ) -> Callable[[], object]:
-        """`infer` without a coroutine or a future per request, for transports that answer from
-        a callback: `reply` is called on the loop with the answer or the ServingError that ends
-        the request, from the one callback that also counts it (no future between them, so no
-        extra turn of the loop), unless the request is withdrawn first by calling the returned
-        function. Raises ServingError when the request cannot be queued."""
-        started = time.perf_counter()
-        resolved: ModelVersion | None = None  # the metric labels of a refusal
-        try:
-            mv = resolved = self._serving(name, version)
-            job, timer = self._enqueue(mv, request, timeout_s)
-        except ServingError as exc:
-            self._refused(name, resolved, protocol, exc, started)
-            raise
-        self._inflight.enter(mv)
-        note_answered_when(job.future)
+        """Run one request, given as it is or as the function that decodes it (called once the
+        model is known to serve): `reply` is called on the loop with the answer or the
+        ServingError that ends the request, from the one callback that also counts it, unless
+        the request is withdrawn first by calling the returned function. Raises ServingError
+        when the request cannot be queued."""
+        call = Call(self, name, protocol, timeout_s)
+        job = call.admit(version, request)
+        mv = call.mv
+        assert mv is not None
 
         def answer(future: asyncio.Future[InferenceResponse]) -> int:
             error = future.exception()
@@ -176,8 +192,56 @@ class DataPlane(DescribesModels):
             reply(error)
             return getattr(error, "status", 500)
 
-        self._track(mv, job, timer, protocol, started, timeout_s, answer)
+        job.future.add_done_callback(functools.partial(call.end, answer))
         return job.future.cancel
+
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        request: Request,
+        *,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> Served:
+        """`respond`, awaited: the answer, or the ServingError raised; cancelled, it withdraws
+        the request."""
+        outcome: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+
+        def reply(answer: Served | BaseException) -> None:
+            if outcome.done():
+                return
+            if isinstance(answer, Served):
+                outcome.set_result(answer)
+            else:
+                outcome.set_exception(answer)
+
+        withdraw = self.respond(
+            name, version, request, reply, protocol=protocol, timeout_s=timeout_s
+        )
+        try:
+            return await outcome
+        except asyncio.CancelledError:
+            withdraw()
+            raise
+
+    def stream(
+        self,
+        name: str,
+        version: str | None,
+        request: Request,
+        *,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> PartStream[Served]:
+        """Run one request whose answer the client takes as it comes, part by part (an answer
+        in one piece is a stream of one). Raises ServingError when it cannot be queued; the
+        stream then raises what ended it early. The deadline covers the whole stream."""
+        call = Call(self, name, protocol, timeout_s)
+        job = call.admit(version, request, streaming=True)
+        job.future.add_done_callback(functools.partial(call.end, None))
+        assert job.stream is not None
+        return job.stream
 
     async def infer_many(
         self,
@@ -195,12 +259,11 @@ class DataPlane(DescribesModels):
         in order. The first failure answers the call, a 4xx one naming its `item` ("instance 2:
         ..."), and withdraws the others. `explain` asks the handler for explanations: a model
         whose handler has none answers 501. Raises ServingError."""
-        started = time.perf_counter()
+        call = Call(self, name, protocol, timeout_s)
         status = 500
-        mv: ModelVersion | None = None
         queued: list[tuple[Job, asyncio.TimerHandle]] = []
         try:
-            mv = self._serving(name, version)
+            mv = call.mv = self._serving(name, version)
             if explain and not mv.explains:
                 raise MethodNotAllowed(
                     f"model {name!r} has no explanations (its handler does not implement "
@@ -235,92 +298,19 @@ class DataPlane(DescribesModels):
             status = exc.status
             raise
         except asyncio.CancelledError:
-            status = cancelled_status(started, timeout_s)
+            status = cancelled_status(call.started, timeout_s)
             raise
         finally:
             for job, timer in queued:
                 timer.cancel()
-                if not job.future.done() and mv is not None:
-                    mv.batcher.cancel(job)  # withdrawn: free the slot, leave the worker be
+                if not job.future.done() and call.mv is not None:
+                    call.mv.batcher.cancel(job)  # withdrawn: free the slot, leave the worker be
                     job.future.cancel()
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(*self._labels(name, mv), protocol, status, elapsed)
-
-    def _labels(self, name: str, mv: ModelVersion | None) -> tuple[str, str]:
-        """A request's metric labels: its model version once known."""
-        return (mv.name, mv.version) if mv is not None else self._unknown(name)
-
-    def _refused(
-        self,
-        name: str,
-        mv: ModelVersion | None,
-        protocol: str,
-        error: ServingError,
-        started: float,
-    ) -> None:
-        """Count a request refused before it was queued."""
-        elapsed = time.perf_counter() - started
-        self.metrics.observe_request(*self._labels(name, mv), protocol, error.status, elapsed)
+            call.count(status)
 
     def _unknown(self, name: str) -> tuple[str, str]:
         # Clients choose these names: a typo must not mint a new time series.
         return (name if name in self.registry.names() else UNKNOWN_LABEL), UNKNOWN_LABEL
-
-    def stream(
-        self,
-        name: str,
-        version: str | None,
-        request: Request,
-        *,
-        protocol: str,
-        timeout_s: float | None = None,
-    ) -> PartStream[Served]:
-        """Run one request whose answer the client takes as it comes, part by part (an answer
-        in one piece is a stream of one). Raises ServingError when it cannot be queued; the
-        stream then raises what ended it early. The deadline covers the whole stream."""
-        started = time.perf_counter()
-        resolved: ModelVersion | None = None  # the metric labels of a refusal
-        try:
-            mv = resolved = self._serving(name, version, streaming=True)
-            job, timer = self._enqueue(mv, request, timeout_s, stream=True)
-        except ServingError as exc:
-            self._refused(name, resolved, protocol, exc, started)
-            raise
-        self._inflight.enter(mv)
-        note_answered_when(job.future)
-        self._track(mv, job, timer, protocol, started, timeout_s)
-        assert job.stream is not None
-        return job.stream
-
-    def _track(
-        self,
-        mv: ModelVersion,
-        job: Job,
-        timer: asyncio.TimerHandle,
-        protocol: str,
-        started: float,
-        timeout_s: float | None,
-        answer: Callable[[asyncio.Future[InferenceResponse]], int] | None = None,
-    ) -> None:
-        """Once the job's future is done: stop its timer, leave the in-flight count and count
-        the outcome. `answer` passes a finished (not cancelled) outcome on, and says with which
-        status it ended."""
-
-        def finished(future: asyncio.Future[InferenceResponse]) -> None:
-            timer.cancel()
-            self._inflight.leave(mv)
-            if future.cancelled():
-                mv.batcher.cancel(job)  # the client went away: free its slot if still queued
-                status = cancelled_status(started, timeout_s)
-            elif answer is not None:
-                status = answer(future)
-            else:
-                error = future.exception()
-                status = 200 if error is None else getattr(error, "status", 500)
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(mv.name, mv.version, protocol, status, elapsed)
-
-        job.future.add_done_callback(finished)
 
     def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
         note_model(name, version)

@@ -189,10 +189,10 @@ async def test_a_stream_request_can_be_withdrawn(plane: Plane) -> None:
     dp = plane.dataplane
     mv = plane.registry.get("tiny", "1.0")
     assert mv.batcher is not None
-    first = dp.submit("tiny", "1.0", _request([]), protocol="test")
-    await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0)
-    queued = dp.submit("tiny", "1.0", _request([]), protocol="test")
-    assert mv.batcher.depth == 1
+    first = asyncio.ensure_future(dp.infer("tiny", "1.0", _request([]), protocol="test"))
+    await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0 and dp.inflight == 1)
+    queued = asyncio.ensure_future(dp.infer("tiny", "1.0", _request([]), protocol="test"))
+    await _until(lambda: mv.batcher is not None and mv.batcher.depth == 1)
     queued.cancel()
     await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0, timeout_s=0.5)
     served = await first
@@ -236,8 +236,8 @@ async def test_a_reply_comes_from_the_callback_that_counts_the_request(plane: Pl
 @pytest.mark.anyio
 async def test_a_full_queue_answers_at_once(plane: Plane) -> None:
     dp = plane.dataplane
-    futures = [dp.submit("tiny", "1.0", _request([]), protocol="test") for _ in range(6)]
-    results = await asyncio.gather(*futures, return_exceptions=True)
+    calls = [dp.infer("tiny", "1.0", _request([]), protocol="test") for _ in range(6)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
     refused = [r for r in results if isinstance(r, QueueFull)]
     assert refused and all(isinstance(r, (Served, QueueFull)) for r in results)
     assert "retry later" in refused[0].message
