@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
-        "benchmark": "switches", "configurations": list(runs), "started": started.isoformat(timespec="seconds"),
+        "benchmark": "switches", "configurations": list(runs),
+        "started": started.isoformat(timespec="seconds"),
         "before": args.before, "seconds": args.seconds, "host": host, "runs": runs,
         "medians": medians, "ratios_to_off": ratios, "otlp_receiver": received,
     }  # fmt: skip

@@ -22,21 +22,21 @@ from pathlib import Path
 
 import uvicorn
 
-from scriptserve.server import snapshot
-from scriptserve.server.access_log import AccessLog
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import Conflict, ServingError
 from scriptserve.server.grpc.server import GrpcServers
-from scriptserve.server.management import Management
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.object_store import sync_store
-from scriptserve.server.registry import ModelRegistry, find_archives
-from scriptserve.server.repository import ModelRepository
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models import snapshot
+from scriptserve.server.models.management import Management
+from scriptserve.server.models.object_store import sync_store
+from scriptserve.server.models.registry import ModelRegistry, find_archives
+from scriptserve.server.models.repository import ModelRepository
+from scriptserve.server.observability.access_log import AccessLog
+from scriptserve.server.observability.metrics import ServerMetrics
+from scriptserve.server.observability.tracing import Tracing, TracingUnavailable
 from scriptserve.server.rest.apps import http_apps
 from scriptserve.server.rest.connection_limits import ConnectionLimits, HttpConnections
 from scriptserve.server.security import resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
-from scriptserve.server.tracing import Tracing, TracingUnavailable
 
 log = logging.getLogger("scriptserve.app")
 
@@ -203,7 +203,7 @@ async def serve(settings: ServerSettings) -> int:
         raise StartupError(str(exc)) from None
     metrics.watch(registry.stats, registry.worker_gauges, registry.handler_metrics)
     dataplane = DataPlane(registry, metrics, settings)
-    management = Management(registry, dataplane, settings)
+    management = Management(registry, dataplane.inflight_of, settings)
     repository = ModelRepository(management)
     access = AccessLog(settings.access_log, settings.access_log_format)
     tracing = start_tracing(settings)

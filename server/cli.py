@@ -26,7 +26,7 @@ from scriptserve.archiver.cli import USER_ERRORS, add_archive_subcommands, fail,
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import Context, HandlerError, InferenceRequest, run_batch
 from scriptserve.handlers.loader import load_handler, read_model_config, worker_scope
-from scriptserve.server.log_format import configure_logging
+from scriptserve.server.observability.log_format import configure_logging
 from scriptserve.server.settings import FlagAliases, ServerSettings, load_settings
 
 
@@ -147,7 +147,7 @@ def serve(args: argparse.Namespace) -> int:
     # client sent (a newline in a model name or request id) are escaped, never a new line.
     configure_logging(settings.log_level, settings.log_format)
     if settings.ts_config is not None:
-        from scriptserve.server.torchserve_config import report_torchserve_config
+        from scriptserve.server.models.torchserve_config import report_torchserve_config
 
         report_torchserve_config(settings.ts_config, os.environ)
     try:

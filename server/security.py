@@ -32,7 +32,7 @@ from scriptserve.server.errors import (
     ServingError,
     Unauthenticated,
 )
-from scriptserve.server.object_store import copy_object, is_object_url
+from scriptserve.server.models.object_store import copy_object, is_object_url
 from scriptserve.server.settings import OBJECT_STORE_SCHEMES, ServerSettings, parse_address
 
 log = logging.getLogger("scriptserve.security")
@@ -245,7 +245,7 @@ async def fetch_archive(url: str, settings: ServerSettings) -> Path:
 
     Redirects are followed by hand, each target checked against the allow-list before any
     connection to it; the size and the whole download's time are bounded. `s3://` and `gs://`
-    URLs are copied through server/object_store.py under the same bounds.
+    URLs are copied through server/models/object_store.py under the same bounds.
     """
     import httpx
 

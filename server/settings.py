@@ -23,7 +23,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from scriptserve.server.model_settings import WARMUP_RUNS, ModelSettings
+from scriptserve.server.models.model_settings import WARMUP_RUNS, ModelSettings
 from scriptserve.server.settings_sources import (
     SettingsError,
     TorchServeConfigSource,
@@ -42,7 +42,7 @@ __all__ = [
 
 
 OBJECT_STORE_SCHEMES = ("s3", "gs")
-"""URL schemes of object storage (server/object_store.py)."""
+"""URL schemes of object storage (server/models/object_store.py)."""
 
 
 class FlagAliases:
@@ -264,7 +264,7 @@ class ServerSettings(BaseSettings):
     """Load this replica's last snapshot at start (when --models is left at `all`)."""
     ts_config: Path | None = None
     """A TorchServe config.properties to read settings from (below the YAML file; see
-    server/torchserve_config.py for the keys it maps)."""
+    server/models/torchserve_config.py for the keys it maps)."""
     model_defaults: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict)
     """Per model name and version ("*" = any), TorchServe model-config keys (batchSize,
     maxBatchDelay, minWorkers, maxWorkers, responseTimeout, ...) that the archive's own config
@@ -287,13 +287,13 @@ class ServerSettings(BaseSettings):
     """`json`: every server and worker log line as one JSON object (time, level, logger,
     message, exception), for log pipelines."""
     access_log: str = "off"
-    """Where the access log goes (one line per HTTP request and gRPC call, server/access_log.py):
-    `off`, `stderr`, `stdout` or a file, appended to."""
+    """Where the access log goes (one line per HTTP request and gRPC call,
+    server/observability/access_log.py): `off`, `stderr`, `stdout` or a file, appended to."""
     access_log_format: Literal["plain", "json"] = "plain"
     """The access log's lines: plain text, or one JSON object per line."""
     tracing: bool = False
-    """OpenTelemetry tracing (server/tracing.py): a span per request with its decode, queue,
-    batch and encode steps, exported over OTLP. Needs the `tracing` extra."""
+    """OpenTelemetry tracing (server/observability/tracing.py): a span per request with its
+    decode, queue, batch and encode steps, exported over OTLP. Needs the `tracing` extra."""
     tracing_endpoint: str | None = None
     """Where spans go: `http://collector:4317` (grpc) or `http://collector:4318/v1/traces`
     (http/protobuf). Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT,

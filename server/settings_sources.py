@@ -64,7 +64,7 @@ class TorchServeConfigSource(PydanticBaseSettingsSource):
     def __call__(self) -> dict[str, Any]:
         if not self._path:
             return {}
-        from scriptserve.server.torchserve_config import (
+        from scriptserve.server.models.torchserve_config import (
             TorchServeConfigError,
             read_torchserve_config,
         )

@@ -11,14 +11,14 @@ from typing import Any
 
 import grpc
 
-from scriptserve.server.access_log import (
+from scriptserve.server.grpc.wrapping import Behavior, wrapped
+from scriptserve.server.observability.access_log import (
     HEADER,
     AccessLog,
     AccessRecord,
     opened,
     usable_request_id,
 )
-from scriptserve.server.grpc.wrapping import Behavior, wrapped
 
 
 def _status(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:

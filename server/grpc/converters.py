@@ -21,7 +21,6 @@ from google.protobuf.message import Message
 
 from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.admission import Served
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,
@@ -30,8 +29,9 @@ from scriptserve.server.codec.tensors import (
     from_values,
     tensor_dtype,
 )
-from scriptserve.server.description import ModelMetadata
 from scriptserve.server.errors import InvalidInput, ServingError
+from scriptserve.server.inference.admission import Served
+from scriptserve.server.models.description import ModelMetadata
 
 M = TypeVar("M")
 """A message to fill: ours, or a Triton client's of the same wire type."""

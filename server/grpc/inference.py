@@ -16,7 +16,6 @@ import grpc
 from google.protobuf import empty_pb2
 
 from scriptserve.server.codec import torchserve
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import ServingError
 from scriptserve.server.grpc import converters
 from scriptserve.server.grpc._generated import inference_pb2 as ts
@@ -26,7 +25,8 @@ from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as o
 from scriptserve.server.grpc.auth import authorization_of
 from scriptserve.server.grpc.status import abort, status_code
 from scriptserve.server.grpc.streams import StreamInferCall, prediction_parts
-from scriptserve.server.repository import ModelRepository
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models.repository import ModelRepository
 from scriptserve.server.security import AccessKeys
 
 R = TypeVar("R")

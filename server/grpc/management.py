@@ -1,5 +1,5 @@
 """TorchServe's gRPC management service (`org.pytorch.serve.grpc.management`): each method hands
-its fields to `server/management.py`, and each answer's `msg` is the JSON the REST management
+its fields to `server/models/management.py`, and each answer's `msg` is the JSON the REST management
 API gives."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from scriptserve.server.grpc import converters
 from scriptserve.server.grpc._generated import management_pb2 as mgmt
 from scriptserve.server.grpc._generated import management_pb2_grpc as mgmt_grpc
 from scriptserve.server.grpc.inference import translated
-from scriptserve.server.management import Management, Registration, Scaling
-from scriptserve.server.profiling import ProfileOptions
+from scriptserve.server.models.management import Management, Registration, Scaling
+from scriptserve.server.models.profiling import ProfileOptions
 
 
 def _msg(value: Any) -> mgmt.ManagementResponse:

@@ -13,8 +13,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from scriptserve.server.access_log import AccessLog
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.grpc._generated import (
     inference_pb2,
     management_pb2,
@@ -29,11 +27,13 @@ from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInfer
 from scriptserve.server.grpc.malformed import MalformedMessageInterceptor
 from scriptserve.server.grpc.management import ManagementServicer
 from scriptserve.server.grpc.tracing import TracingInterceptor
-from scriptserve.server.management import Management
-from scriptserve.server.repository import ModelRepository
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models.management import Management
+from scriptserve.server.models.repository import ModelRepository
+from scriptserve.server.observability.access_log import AccessLog
+from scriptserve.server.observability.tracing import Tracing
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
-from scriptserve.server.tracing import Tracing
 
 _OIP = open_inference_grpc_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 REPOSITORY_METHODS = frozenset(

@@ -11,8 +11,6 @@ from typing import NoReturn
 
 import grpc
 
-from scriptserve.server.access_log import HEADER, current_request_id
-from scriptserve.server.admission import DEADLINE_SLACK_S
 from scriptserve.server.errors import (
     Conflict,
     DeadlineExceeded,
@@ -29,6 +27,8 @@ from scriptserve.server.errors import (
     StreamOverrun,
     Unauthenticated,
 )
+from scriptserve.server.inference.admission import DEADLINE_SLACK_S
+from scriptserve.server.observability.access_log import HEADER, current_request_id
 
 GRPC_CODES: dict[type[ServingError], grpc.StatusCode] = {
     ServingError: grpc.StatusCode.INTERNAL,

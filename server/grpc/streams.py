@@ -27,14 +27,14 @@ from typing import Any
 import grpc
 
 from scriptserve.handlers.base import InferenceResponse
-from scriptserve.server.admission import Served
 from scriptserve.server.codec import torchserve
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import ServingError
 from scriptserve.server.grpc import converters
 from scriptserve.server.grpc._generated import inference_pb2 as ts
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
-from scriptserve.server.streaming import PartStream
+from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.workers.streaming import PartStream
 
 FINAL_RESPONSE = "triton_final_response"
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"

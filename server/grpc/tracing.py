@@ -1,7 +1,7 @@
 """Tracing's gRPC side: an interceptor, first in line (so refused calls are traced too), that
 opens each call's server span, the child of the client's `traceparent` metadata, returns the
 span's own `traceparent` as initial metadata, and ends it when the call ends
-(server/tracing.py makes its children). Installed only when tracing is on."""
+(server/observability/tracing.py makes its children). Installed only when tracing is on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from scriptserve.server.grpc.wrapping import Behavior, wrapped
-from scriptserve.server.tracing import (
+from scriptserve.server.observability.tracing import (
     TRACEPARENT,
     RequestTrace,
     Tracing,

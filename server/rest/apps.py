@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from scriptserve.server.access_log import AccessLog
-from scriptserve.server.dataplane import DataPlane
-from scriptserve.server.management import Management
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.repository import ModelRepository
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models.management import Management
+from scriptserve.server.models.repository import ModelRepository
+from scriptserve.server.observability.access_log import AccessLog
+from scriptserve.server.observability.metrics import ServerMetrics
+from scriptserve.server.observability.tracing import Tracing
 from scriptserve.server.rest.guard import guarded
 from scriptserve.server.rest.inference import create_inference_app
 from scriptserve.server.rest.kserve_v1 import LIVENESS_PATH, add_kserve_v1_routes
@@ -26,7 +27,6 @@ from scriptserve.server.rest.protocol_routes import ProtocolRoutes
 from scriptserve.server.rest.shared_address import SharedAddress
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
-from scriptserve.server.tracing import Tracing
 
 
 def forwarded(app: Any) -> Any:

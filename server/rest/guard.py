@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scriptserve.server.errors import PayloadTooLarge, ServingError
-from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.rest.errors import body_too_large, error_body
 from scriptserve.server.security import AccessKeys, Api
 

@@ -20,7 +20,7 @@ from starlette.routing import request_response as starlette_request_response
 from scriptserve import __version__
 from scriptserve.server.codec import generate, torchserve
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
-from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.inference.dataplane import DataPlane
 from scriptserve.server.rest.errors import install_error_handlers
 from scriptserve.server.rest.oip_extensions import add_model_extension_routes
 from scriptserve.server.rest.protocol_routes import OPENAPI_PATHS

@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from scriptserve.server.codec import kserve_v1
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import ModelNotReady
+from scriptserve.server.inference.dataplane import DataPlane
 from scriptserve.server.rest.inference import DirectRoute, client_timeout
 
 TAG = "KServe v1"

@@ -1,6 +1,6 @@
 """The management API: TorchServe's routes and parameters (register, scale, describe, list,
 unregister, set-default), and profiling on demand. Each route hands its parameters to
-`server/management.py`."""
+`server/models/management.py`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from fastapi import FastAPI, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from scriptserve import __version__
-from scriptserve.server.management import Management, Registration, Scaling
-from scriptserve.server.profiling import ProfileOptions, ProfileResult
+from scriptserve.server.models.management import Management, Registration, Scaling
+from scriptserve.server.models.profiling import ProfileOptions, ProfileResult
 from scriptserve.server.rest.errors import install_error_handlers
 from scriptserve.server.settings import ServerSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from scriptserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from scriptserve.server.observability.metrics import CONTENT_TYPE, ServerMetrics
 
 
 def create_metrics_app(metrics: ServerMetrics) -> FastAPI:

@@ -4,7 +4,7 @@ is answered: the inference routes the HTTP protocol answers itself (`protocol_cy
 
 An observation opens the request's `AccessRecord` and its server span (the child of the client's
 `traceparent`), is made current while the data plane runs the request (so it notes the model,
-the request id and the queued jobs, server/access_log.py and server/tracing.py), adds
+the request id and the queued jobs: server/observability/access_log.py and tracing.py), adds
 `X-Request-Id` and `traceparent` to the answer's head, counts the bytes of the answer and, once
 the answer is sent, writes the access line and ends the span. It is made only while the access
 log or tracing is on (with both off a request pays one attribute test), and reads no more of
@@ -22,9 +22,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from scriptserve.handlers.base import new_request_id
-from scriptserve.server import access_log, tracing
-from scriptserve.server.access_log import AccessLog, AccessRecord, usable_request_id
-from scriptserve.server.tracing import (
+from scriptserve.server.observability import access_log, tracing
+from scriptserve.server.observability.access_log import AccessLog, AccessRecord, usable_request_id
+from scriptserve.server.observability.tracing import (
     TRACEPARENT,
     TRACESTATE,
     Tracing,

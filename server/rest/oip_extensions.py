@@ -17,9 +17,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import InvalidInput
-from scriptserve.server.repository import ModelRepository
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models.repository import ModelRepository
 
 TAG = "OIP v2 extensions"
 REPOSITORY_PREFIX = "/v2/repository/"

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from scriptserve.server.codec import openai_embeddings
-from scriptserve.server.dataplane import DataPlane
+from scriptserve.server.inference.dataplane import DataPlane
 from scriptserve.server.rest.inference import DirectRoute, client_timeout
 
 TAG = "OpenAI"

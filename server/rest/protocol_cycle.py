@@ -21,10 +21,10 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from scriptserve.handlers.base import InferenceResponse
-from scriptserve.server.admission import Served
 from scriptserve.server.codec import oip_json, torchserve
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.errors import PayloadTooLarge, ServingError
+from scriptserve.server.inference.admission import Served
 from scriptserve.server.rest.errors import body_too_large, error_body, method_not_allowed
 from scriptserve.server.rest.forms import form_fields
 from scriptserve.server.rest.observe import CLIENT_GONE, Observation, forwarded_scope
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         InferenceRoute,
         ProtocolRoutes,
     )
-    from scriptserve.server.streaming import PartStream
+    from scriptserve.server.workers.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest")
 

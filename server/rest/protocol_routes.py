@@ -36,8 +36,8 @@ from scriptserve.server.rest.guard import Disconnects
 from scriptserve.server.rest.protocol_cycle import ProtocolCycle
 
 if TYPE_CHECKING:
-    from scriptserve.server.dataplane import DataPlane
-    from scriptserve.server.metrics import ServerMetrics
+    from scriptserve.server.inference.dataplane import DataPlane
+    from scriptserve.server.observability.metrics import ServerMetrics
     from scriptserve.server.rest.observe import Observers
     from scriptserve.server.security import AccessKeys
     from scriptserve.server.settings import ServerSettings

@@ -20,10 +20,10 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from scriptserve.handlers.base import InferenceResponse
-from scriptserve.server.admission import Served
 from scriptserve.server.codec import generate
 from scriptserve.server.errors import ServingError
-from scriptserve.server.streaming import PartStream
+from scriptserve.server.inference.admission import Served
+from scriptserve.server.workers.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest.streams")
 

@@ -17,8 +17,8 @@ from typing import Literal
 
 from scriptserve.handlers.base import BaseHandler, Context
 from scriptserve.handlers.loader import load_handler
-from scriptserve.server.batching import DynamicBatcher
-from scriptserve.server.metrics import VersionMetrics
+from scriptserve.server.observability.metrics import VersionMetrics
+from scriptserve.server.workers.batching import DynamicBatcher
 from scriptserve.server.workers.pool import RestartPolicy, WorkerPool, WorkerState
 from scriptserve.server.workers.process.runner import ProcessRunner
 from scriptserve.server.workers.process.slot import ProcessSlot

@@ -1,6 +1,6 @@
 """A profiling capture as the workers see it: which batches it covers, what it records, and
-PyTorch's profiler started and stopped where the batches run (server/profiling.py asks for one
-and makes the trace file).
+PyTorch's profiler started and stopped where the batches run (server/models/profiling.py
+asks for one and makes the trace file).
 
 Thread workers share the server's one profiler, which records every thread; each batch they
 run is a `record_function` range named after the model, the batch's size and its request ids,

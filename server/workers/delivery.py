@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 
 from scriptserve.handlers.base import InferenceResponse
-from scriptserve.server.batching import BatchRecord, Job
 from scriptserve.server.errors import InferenceFailed, ServingError, error_for_status
+from scriptserve.server.workers.batching import BatchRecord, Job
 
 
 def deliver(outcomes: Sequence[tuple[Job, object]]) -> None:

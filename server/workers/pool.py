@@ -24,16 +24,16 @@ from typing import Generic, Protocol, TypeVar
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse, StageTimes
 from scriptserve.handlers.parts import PartSink
-from scriptserve.server.batching import DynamicBatcher, Job, decode_jobs
 from scriptserve.server.errors import (
     DeadlineExceeded,
     ModelNotReady,
     ServingError,
 )
-from scriptserve.server.metrics import VersionMetrics
-from scriptserve.server.streaming import JobParts
+from scriptserve.server.observability.metrics import VersionMetrics
+from scriptserve.server.workers.batching import DynamicBatcher, Job, decode_jobs
 from scriptserve.server.workers.capture import Capture
 from scriptserve.server.workers.delivery import fail_jobs, hand_back, traced
+from scriptserve.server.workers.streaming import JobParts
 from scriptserve.server.workers.warmup import WarmupResult
 
 log = logging.getLogger("scriptserve.workers")
@@ -198,7 +198,8 @@ class WorkerPool(Generic[S]):
         self.failed_reason: str | None = None
         """Why the model cannot serve any more (its workers keep failing); None while it can."""
         self.capture: Capture | None = None
-        """The profiling capture of its batches, while one runs (server/profiling.py)."""
+        """The profiling capture of its batches, while one runs
+        (server/models/profiling.py)."""
         self._devices = devices or ["cpu"]
         self._slots: list[S] = []
         self._ids = itertools.count(1)

@@ -13,7 +13,7 @@ import psutil
 from hardening import archive
 from serving import ServerProcess
 
-from scriptserve.server import snapshot
+from scriptserve.server.models import snapshot
 from scriptserve.server.settings import load_settings
 
 REFUSED = "refused"

@@ -20,10 +20,10 @@ from testmodels import reference_output, save_torchscript
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.handlers import base, legacy_names, loader
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.dataplane import DataPlane
-from scriptserve.server.management import Management, Registration
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.registry import ModelRegistry
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models.management import Management, Registration
+from scriptserve.server.models.registry import ModelRegistry
+from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.settings import load_settings
 
 OLD_STYLE_HANDLER = """
@@ -88,7 +88,7 @@ def test_an_old_style_handler_is_served_and_its_names_go_with_it(
         metrics = ServerMetrics()
         registry = ModelRegistry(settings, metrics, ["cpu"])
         dataplane = DataPlane(registry, metrics, settings)
-        management = Management(registry, dataplane, settings)
+        management = Management(registry, dataplane.inflight_of, settings)
         dataplane.starting = False
         await management.register(Registration(url="old.mar"))
         after_load = entered[0]

@@ -20,7 +20,11 @@ from hardening import archive
 from serving import ServerProcess
 from tritonclient.utils import InferenceServerException
 
-from scriptserve.server.log_format import LOG_FORMAT, EscapingFormatter, escape_controls
+from scriptserve.server.observability.log_format import (
+    LOG_FORMAT,
+    EscapingFormatter,
+    escape_controls,
+)
 
 FORGED = "FORGED 2026-01-01 00:00:00,000 CRITICAL scriptserve.app: forged line"
 RAISE, KILL = 4567.0, 3456.0

@@ -22,7 +22,7 @@ from testmodels import save_torchscript
 from tritonclient.utils import InferenceServerException
 
 from scriptserve.archiver.cli import model_archiver_main
-from scriptserve.server.access_log import AccessLog, AccessRecord
+from scriptserve.server.observability.access_log import AccessLog, AccessRecord
 
 INFERENCE_KEY = "inference-key-7f3a9c1e2b"
 BODY_MARKER = 0.123456789

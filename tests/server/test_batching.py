@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.batching import Batch, DynamicBatcher, Job, decode_jobs
 from scriptserve.server.codec import oip_json
 from scriptserve.server.errors import ModelNotReady, QueueFull
+from scriptserve.server.workers.batching import Batch, DynamicBatcher, Job, decode_jobs
 
 JobFactory = Callable[..., Job]
 

@@ -18,8 +18,6 @@ from torch import nn
 
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.server.admission import Served
-from scriptserve.server.dataplane import DataPlane
 from scriptserve.server.errors import (
     InvalidInput,
     ModelNotFound,
@@ -27,9 +25,11 @@ from scriptserve.server.errors import (
     QueueFull,
     ServingError,
 )
-from scriptserve.server.management import Management, Registration, Scaling
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.registry import ModelRegistry
+from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.models.management import Management, Registration, Scaling
+from scriptserve.server.models.registry import ModelRegistry
+from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.settings import load_settings
 
 X = np.full((1, 8), 0.5, dtype=np.float32)
@@ -83,7 +83,7 @@ class Plane:
         self.metrics = ServerMetrics()
         self.registry = ModelRegistry(self.settings, self.metrics, ["cpu"])
         self.dataplane = DataPlane(self.registry, self.metrics, self.settings)
-        self.management = Management(self.registry, self.dataplane, self.settings)
+        self.management = Management(self.registry, self.dataplane.inflight_of, self.settings)
         self.dataplane.starting = False
 
     def requests(self, status: int, version: str = "1.0") -> float:

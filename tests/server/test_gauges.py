@@ -20,7 +20,7 @@ from serving import ServerProcess
 from testmodels import save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
-from scriptserve.server.gauges import GpuCollector, process_usage
+from scriptserve.server.observability.gauges import GpuCollector, process_usage
 
 SLOW_HANDLER = """
 import time

@@ -20,7 +20,7 @@ from torchserve.tsarchives import torch_model_archiver, write
 
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.handlers.metrics import HandlerMetrics, metric_name
-from scriptserve.server.handler_metrics import read_metrics_config
+from scriptserve.server.observability.handler_metrics import read_metrics_config
 
 NATIVE = """
 from scriptserve.handlers.tensor import TensorHandler

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from scriptserve.server.model_settings import ModelSettings, ModelSettingsError
+from scriptserve.server.models.model_settings import ModelSettings, ModelSettingsError
 from scriptserve.server.settings import ServerSettings, load_settings
 
 

@@ -19,16 +19,16 @@ from hardening import archive
 from testmodels import reference_output
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
-from scriptserve.server.batching import Job
 from scriptserve.server.errors import ModelNotReady
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.registry import (
+from scriptserve.server.models.registry import (
     FailedVersion,
     ModelRegistry,
     ModelState,
     ModelVersion,
 )
+from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.settings import load_settings
+from scriptserve.server.workers.batching import Job
 
 pytestmark = pytest.mark.anyio
 

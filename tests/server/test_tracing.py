@@ -20,7 +20,7 @@ from testmodels import save_torchscript
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from scriptserve.archiver.cli import model_archiver_main
-from scriptserve.server.tracing import Tracing
+from scriptserve.server.observability.tracing import Tracing
 
 ROW = [0.5] * 8
 # Spans leave the server every 50 ms instead of the SDK's 5 s (a standard OTEL_* variable).
@@ -325,7 +325,7 @@ def test_tracing_without_the_sdk_says_what_to_install(tmp_path: Path) -> None:
 
     code = (
         "import sys; sys.modules['opentelemetry.sdk'] = None\n"
-        "from scriptserve.server.tracing import Tracing, TracingUnavailable\n"
+        "from scriptserve.server.observability.tracing import Tracing, TracingUnavailable\n"
         "try:\n    Tracing(True)\nexcept TracingUnavailable as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

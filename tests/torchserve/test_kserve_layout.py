@@ -23,7 +23,7 @@ from serving import ServerProcess, free_port
 from torch import nn
 from torchserve.tsarchives import torch_model_archiver, write
 
-from scriptserve.server.torchserve_config import (
+from scriptserve.server.models.torchserve_config import (
     TorchServeConfigError,
     map_properties,
     parse_properties,

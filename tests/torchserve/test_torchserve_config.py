@@ -16,12 +16,12 @@ from serving import ServerProcess
 from torchserve.tsarchives import instance
 from tsprotos import torchserve_stubs
 
-from scriptserve.server.settings import SettingsError, load_settings
-from scriptserve.server.torchserve_config import (
+from scriptserve.server.models.torchserve_config import (
     TorchServeConfigError,
     parse_properties,
     read_torchserve_config,
 )
+from scriptserve.server.settings import SettingsError, load_settings
 
 
 def properties(server: ServerProcess, store: Path, models: dict[str, object]) -> str:

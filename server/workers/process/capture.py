@@ -1,5 +1,6 @@
-"""A worker process's part in a profiling capture (server/profiling.py): its own profiler,
-started for a capture that is on and ended, its trace handed over, when the capture ends."""
+"""A worker process's part in a profiling capture (server/models/profiling.py): its own
+profiler, started for a capture that is on and ended, its trace handed over, when the capture
+ends."""
 
 from __future__ import annotations
 

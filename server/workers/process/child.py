@@ -47,7 +47,7 @@ from scriptserve.handlers.base import (
     run_batch,
 )
 from scriptserve.handlers.loader import load_handler, worker_scope
-from scriptserve.server.log_format import configure_logging
+from scriptserve.server.observability.log_format import configure_logging
 from scriptserve.server.workers.capture import (
     CaptureSettings,
     batch_label,

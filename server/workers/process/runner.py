@@ -38,7 +38,7 @@ from scriptserve.handlers.base import (
 )
 from scriptserve.handlers.parts import PartSink
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady, ServingError
-from scriptserve.server.log_format import current_format
+from scriptserve.server.observability.log_format import current_format
 from scriptserve.server.workers.capture import Capture
 from scriptserve.server.workers.pool import (
     RestartPolicy,

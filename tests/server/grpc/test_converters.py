@@ -12,10 +12,10 @@ from tritonclient.grpc import service_pb2 as triton
 
 from scriptserve.archiver.signature import TensorSpec
 from scriptserve.handlers.base import InferenceResponse
-from scriptserve.server.admission import Served
-from scriptserve.server.description import ModelMetadata
 from scriptserve.server.errors import InvalidInput, ModelNotFound
 from scriptserve.server.grpc import converters
+from scriptserve.server.inference.admission import Served
+from scriptserve.server.models.description import ModelMetadata
 
 
 def _request(**fields: object) -> triton.ModelInferRequest:

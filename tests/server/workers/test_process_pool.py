@@ -20,10 +20,10 @@ from testmodels import reference_output
 from scriptserve.archiver.archive import open_archive
 from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
 from scriptserve.handlers.loader import read_model_config
-from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.errors import DeadlineExceeded, InferenceFailed, ModelNotReady
-from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.workers import RestartPolicy, build_pool
+from scriptserve.server.workers.batching import DynamicBatcher, Job
 
 pytestmark = pytest.mark.anyio
 

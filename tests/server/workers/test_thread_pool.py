@@ -23,7 +23,6 @@ from scriptserve.handlers.base import (
     InferenceRequest,
     InferenceResponse,
 )
-from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.errors import (
     DeadlineExceeded,
     InferenceFailed,
@@ -31,7 +30,8 @@ from scriptserve.server.errors import (
     ModelNotReady,
     QueueFull,
 )
-from scriptserve.server.metrics import ServerMetrics
+from scriptserve.server.observability.metrics import ServerMetrics
+from scriptserve.server.workers.batching import DynamicBatcher, Job
 from scriptserve.server.workers.delivery import deliver
 from scriptserve.server.workers.pool import RestartPolicy, WorkerPool, WorkerState
 from scriptserve.server.workers.threads import ThreadRunner, ThreadSlot

@@ -40,11 +40,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from scriptserve.server.batching import BatchRecord, Job
-
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, SpanContext, SpanKind, Tracer
+
+    from scriptserve.server.workers.batching import BatchRecord, Job
 
 log = logging.getLogger("scriptserve.tracing")
 

@@ -18,14 +18,14 @@ from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.quantize_cache import load_request, quantize_for_load
 from scriptserve.handlers.base import Context
 from scriptserve.handlers.loader import handler_class, read_model_config
-from scriptserve.server.batching import DynamicBatcher
 from scriptserve.server.errors import InvalidInput
-from scriptserve.server.handler_metrics import read_metrics_config
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.model_settings import ModelSettings
-from scriptserve.server.model_version import ModelVersion
+from scriptserve.server.models.model_settings import ModelSettings
+from scriptserve.server.models.model_version import ModelVersion
+from scriptserve.server.observability.handler_metrics import read_metrics_config
+from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.workers import AnyWorkerPool, RestartPolicy, build_pool
+from scriptserve.server.workers.batching import DynamicBatcher
 
 log = logging.getLogger("scriptserve.loading")
 

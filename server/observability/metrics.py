@@ -4,7 +4,7 @@ Each server has its own `CollectorRegistry` (no process-global state), scraped o
 port. Hot-path code holds pre-bound label children (`VersionMetrics`) so an observation is one
 lock and an add. Queue depth and worker states are read from the model registry at scrape time.
 Every observation of a model version also goes into its Triton statistics
-(`server/statistics.py`), which the statistics extension answers with.
+(`server/observability/statistics.py`), which the statistics extension answers with.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from prometheus_client.registry import Collector
 
 from scriptserve.handlers.base import InferenceRequest, StageTimes
 from scriptserve.handlers.metrics import HandlerMetrics
-from scriptserve.server.gauges import GpuCollector, WorkerCollector, WorkerGauge
-from scriptserve.server.handler_metrics import HandlerMetricsCollector
-from scriptserve.server.statistics import VersionStatistics
+from scriptserve.server.observability.gauges import GpuCollector, WorkerCollector, WorkerGauge
+from scriptserve.server.observability.handler_metrics import HandlerMetricsCollector
+from scriptserve.server.observability.statistics import VersionStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
@@ -169,7 +169,8 @@ class ServerMetrics:
     ) -> None:
         """Report queue depth, workers and model states from `source` at every scrape, each
         worker from `workers`, the handlers' own metrics from `handlers`
-        (server/handler_metrics.py), the server process and the GPUs (server/gauges.py)."""
+        (server/observability/handler_metrics.py), the server process and the GPUs
+        (server/observability/gauges.py)."""
         self.registry.register(_LiveCollector(source))
         if workers is not None:
             self.registry.register(WorkerCollector(workers))

@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scriptserve.server.errors import Conflict, InvalidInput, ModelNotReady, invalid_fields
-from scriptserve.server.model_version import ModelVersion
+from scriptserve.server.models.model_version import ModelVersion
 from scriptserve.server.workers.capture import (
     PROFILER_TIMEOUT_S,
     Capture,

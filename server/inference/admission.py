@@ -22,11 +22,11 @@ from typing import TypeVar
 import numpy as np
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
-from scriptserve.server.access_log import request_id_for, request_namer
-from scriptserve.server.batching import DynamicBatcher, Job
 from scriptserve.server.codec.tensors import check_signature, select_outputs
 from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ServingError
-from scriptserve.server.registry import ModelVersion
+from scriptserve.server.models.registry import ModelVersion
+from scriptserve.server.observability.access_log import request_id_for, request_namer
+from scriptserve.server.workers.batching import DynamicBatcher, Job
 
 log = logging.getLogger("scriptserve.dataplane")
 

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from scriptserve.server.errors import Conflict, InvalidInput, ModelNotFound
-from scriptserve.server.management import Management, Registration
-from scriptserve.server.registry import (
+from scriptserve.server.models.management import Management, Registration
+from scriptserve.server.models.registry import (
     ModelState,
     ModelVersion,
     RegisteredVersion,

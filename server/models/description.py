@@ -10,9 +10,9 @@ from typing import Any
 from scriptserve import __version__
 from scriptserve.archiver.signature import TensorSpec
 from scriptserve.server.errors import ModelNotReady
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.model_configuration import model_configuration
-from scriptserve.server.registry import ModelRegistry, ModelVersion, RegisteredVersion
+from scriptserve.server.models.model_configuration import model_configuration
+from scriptserve.server.models.registry import ModelRegistry, ModelVersion, RegisteredVersion
+from scriptserve.server.observability.metrics import ServerMetrics
 
 SERVER_NAME = "scriptserve"
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
@@ -122,15 +122,16 @@ class DescribesModels:
         )
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """Triton's model configuration of a version, as JSON (`server/model_configuration.py`)."""
+        """Triton's model configuration of a version, as JSON
+        (`server/models/model_configuration.py`)."""
         meta = self.model_metadata(name, version)
         mv = self.registry.get(name, version)
         parameters = {"worker_mode": mv.settings.worker_mode, **meta.parameters}
         return model_configuration(mv, meta.platform, parameters)
 
     def statistics(self, name: str | None = None, version: str | None = None) -> list[Any]:
-        """Triton's statistics (`server/statistics.py`) of every loaded version, of every
-        version of model `name`, or of one version."""
+        """Triton's statistics (`server/observability/statistics.py`) of every loaded version,
+        of every version of model `name`, or of one version."""
         if name is None:
             versions = [mv for mv in self.registry.all_versions() if isinstance(mv, ModelVersion)]
         elif version is None:

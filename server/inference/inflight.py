@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from scriptserve.server.registry import ModelVersion
+from scriptserve.server.models.registry import ModelVersion
 
 
 class InFlight:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scriptserve.server.registry import ModelRegistry, ModelState
+from scriptserve.server.models.registry import ModelRegistry, ModelState
 from scriptserve.server.settings import ServerSettings
 
 log = logging.getLogger("scriptserve.snapshot")

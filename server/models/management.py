@@ -1,6 +1,6 @@
 """Management operations, protocol-neutral: register, scale, unregister, set the default
-version, describe, list, and profile (server/profiling.py). The REST management API and
-TorchServe's gRPC management service both call these, with the same parameters under
+version, describe, list, and profile (server/models/profiling.py). The REST management
+API and TorchServe's gRPC management service both call these, with the same parameters under
 TorchServe's names.
 
     await management.register(Registration(url="mnist.mar", batch_size=8))
@@ -16,11 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scriptserve.server.dataplane import DataPlane
-from scriptserve.server.description import describe_version
 from scriptserve.server.errors import InvalidInput, MethodNotAllowed, ServingError, invalid_fields
-from scriptserve.server.profiling import ProfileOptions, Profiler, ProfileResult
-from scriptserve.server.registry import ModelRegistry, ModelVersion
+from scriptserve.server.models.description import describe_version
+from scriptserve.server.models.profiling import ProfileOptions, Profiler, ProfileResult
+from scriptserve.server.models.registry import ModelRegistry, ModelVersion
 from scriptserve.server.security import fetch_archive, is_url
 from scriptserve.server.settings import ServerSettings
 
@@ -91,11 +90,17 @@ class Scaling(BaseModel):
 
 
 class Management:
+    """The management operations over `registry`; `inflight_of(name, version)` counts a
+    version's requests accepted and not yet answered (the data plane's, for describe)."""
+
     def __init__(
-        self, registry: ModelRegistry, dataplane: DataPlane, settings: ServerSettings
+        self,
+        registry: ModelRegistry,
+        inflight_of: Callable[[str, str], int],
+        settings: ServerSettings,
     ) -> None:
         self.registry = registry
-        self.dataplane = dataplane
+        self.inflight_of = inflight_of
         self.settings = settings
         self.on_change: Callable[[], None] | None = None
         """Called after every change (the snapshot writer)."""
@@ -207,7 +212,7 @@ class Management:
             describe_version(
                 mv,
                 self.registry.default_version(mv.name) == mv.version,
-                self.dataplane.inflight_of(mv.name, mv.version),
+                self.inflight_of(mv.name, mv.version),
             )
             for mv in versions
         ]

@@ -28,15 +28,15 @@ from scriptserve.server.errors import (
     ModelNotReady,
     ServingError,
 )
-from scriptserve.server.gauges import WorkerGauge
-from scriptserve.server.metrics import ServerMetrics, VersionStats
-from scriptserve.server.model_loading import ModelLoader, freeze_heap, stop_version
-from scriptserve.server.model_version import (
+from scriptserve.server.models.model_loading import ModelLoader, freeze_heap, stop_version
+from scriptserve.server.models.model_version import (
     FailedVersion,
     ModelState,
     ModelVersion,
     RegisteredVersion,
 )
+from scriptserve.server.observability.gauges import WorkerGauge
+from scriptserve.server.observability.metrics import ServerMetrics, VersionStats
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.workers.pool import WorkerState
 

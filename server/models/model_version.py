@@ -16,9 +16,9 @@ from scriptserve.archiver.archive import ArchiveReader
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.signature import Signature
 from scriptserve.handlers.metrics import HandlerMetrics
-from scriptserve.server.batching import DynamicBatcher
-from scriptserve.server.model_settings import ModelSettings
+from scriptserve.server.models.model_settings import ModelSettings
 from scriptserve.server.workers import AnyWorkerPool
+from scriptserve.server.workers.batching import DynamicBatcher
 
 
 class ModelState(str, Enum):

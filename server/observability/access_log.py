@@ -38,7 +38,7 @@ from json.encoder import encode_basestring_ascii as _json_string
 from typing import Literal, TextIO
 
 from scriptserve.handlers.base import new_request_id
-from scriptserve.server.log_format import escape_controls
+from scriptserve.server.observability.log_format import escape_controls
 
 AccessFormat = Literal["plain", "json"]
 HEADER = "x-request-id"

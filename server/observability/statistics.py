@@ -1,6 +1,7 @@
 """Triton's per-model statistics (its statistics extension), kept beside the Prometheus metrics.
 
-`server/metrics.py` records every measurement into both at once, so the two never disagree:
+`server/observability/metrics.py` records every measurement into both at once, so the two never
+disagree:
 
 - success / fail: every answered request, from its arrival at the data plane to its answer, by
   outcome (`scriptserve_request_latency_seconds`, `scriptserve_requests_total{status}`);

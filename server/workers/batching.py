@@ -22,7 +22,7 @@ from typing import Any
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.errors import ModelNotReady, QueueFull, ServingError
-from scriptserve.server.streaming import PartStream
+from scriptserve.server.workers.streaming import PartStream
 
 log = logging.getLogger("scriptserve.batching")
 

@@ -25,8 +25,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
-from scriptserve.server.access_log import note_model
-from scriptserve.server.admission import (
+from scriptserve.server.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    MethodNotAllowed,
+    ModelNotReady,
+    ServingError,
+    error_for_status,
+)
+from scriptserve.server.inference.admission import (
     Request,
     Served,
     admitted,
@@ -36,23 +43,16 @@ from scriptserve.server.admission import (
     expire,
     served_by,
 )
-from scriptserve.server.batching import Job
-from scriptserve.server.description import DescribesModels
-from scriptserve.server.errors import (
-    DeadlineExceeded,
-    InvalidInput,
-    MethodNotAllowed,
-    ModelNotReady,
-    ServingError,
-    error_for_status,
-)
-from scriptserve.server.inflight import InFlight
-from scriptserve.server.metrics import ServerMetrics
-from scriptserve.server.registry import ModelRegistry, ModelState, ModelVersion
+from scriptserve.server.inference.inflight import InFlight
+from scriptserve.server.models.description import DescribesModels
+from scriptserve.server.models.registry import ModelRegistry, ModelState, ModelVersion
+from scriptserve.server.observability.access_log import note_model
+from scriptserve.server.observability.metrics import ServerMetrics
+from scriptserve.server.observability.tracing import note_answered, note_answered_when, note_queued
+from scriptserve.server.observability.tracing import note_model as trace_model
 from scriptserve.server.settings import ServerSettings
-from scriptserve.server.streaming import PartStream, StreamRefused
-from scriptserve.server.tracing import note_answered, note_answered_when, note_queued
-from scriptserve.server.tracing import note_model as trace_model
+from scriptserve.server.workers.batching import Job
+from scriptserve.server.workers.streaming import PartStream, StreamRefused
 
 log = logging.getLogger("scriptserve.dataplane")
 
