@@ -106,10 +106,20 @@ _SHIM: dict[str, tuple[list[Any], Any]] = {
 _NUMPY_DTYPES = {
     np.dtype(name if name != "bool" else np.bool_): name
     for name in (
-        "float16", "float32", "float64", "int8", "int16", "int32", "int64",
-        "uint8", "uint16", "uint32", "uint64", "bool",
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
     )
-}  # fmt: skip
+}
 
 
 class AotiError(RuntimeError):

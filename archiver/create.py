@@ -221,10 +221,17 @@ def _quantize_pt2(
     tolerance = _tolerance(args)
     max_batch = info.max_batch or DEFAULT_MAX_BATCH
     measured = quantize_pt2(
-        _pt2_source(args), fp32, dst, sample, max_batch, args.quantize,
-        QuantizeOptions(reduce_range=args.reduce_range), validation, tolerance,
+        _pt2_source(args),
+        fp32,
+        dst,
+        sample,
+        max_batch,
+        args.quantize,
+        QuantizeOptions(reduce_range=args.reduce_range),
+        validation,
+        tolerance,
         max_seq_len=info.max_seq_len,
-    )  # fmt: skip
+    )
     isa = int8_isa()
     report(f"{measured.summary()}; int8 kernels ({isa}): {', '.join(measured.quantized_ops)}")
     checked = check_package(dst, sample, None, info.source, exported_bound=info.max_batch)

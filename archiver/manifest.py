@@ -94,8 +94,11 @@ class Quantization:
 
     def to_dict(self) -> dict[str, Any]:
         measured = {k: getattr(self, a) for k, a in self._KEYS.items()}
-        return {"mode": self.mode, **{k: v for k, v in measured.items() if v is not None},
-                **self.details}  # fmt: skip
+        return {
+            "mode": self.mode,
+            **{k: v for k, v in measured.items() if v is not None},
+            **self.details,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Quantization:

@@ -160,8 +160,9 @@ def run_package(
         finally:
             library.delete(container)
             library.close()
-    arrays = [(t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
-              for t in results]  # fmt: skip
+    arrays = [
+        (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy() for t in results
+    ]
     return names, arrays
 
 
@@ -233,9 +234,11 @@ def check_package(
         diff = max((float(np.max(np.abs(o - r))) for o, r in pairs), default=0.0)
     signature = Signature(
         tuple(TensorSpec(n, datatype_of(a.dtype), (-1, *a.shape[1:])) for n, a in sample.items()),
-        tuple(TensorSpec(n, datatype_of(a.dtype), (-1, *a.shape[1:]))
-              for n, a in zip(names, outputs, strict=True)),
-    )  # fmt: skip
+        tuple(
+            TensorSpec(n, datatype_of(a.dtype), (-1, *a.shape[1:]))
+            for n, a in zip(names, outputs, strict=True)
+        ),
+    )
     info = Pt2Info(
         torch_version=torch.__version__,
         target=package_target(package),

@@ -102,9 +102,10 @@ class Pt2Package:
     def compile_flags(self) -> list[str]:
         """The flags of the compiler commands recorded at the end of the generated C++."""
         commands = [
-            line for line in self.wrapper.splitlines()
+            line
+            for line in self.wrapper.splitlines()
             if line.startswith("// ") and re.search(r"(g\+\+|clang\+\+|c\+\+|cc) ", line)
-        ]  # fmt: skip
+        ]
         return [flag for command in commands for flag in command.split() if flag.startswith("-")]
 
     def extract(self, dest: Path) -> Path:

@@ -275,9 +275,15 @@ def quantize_pt2(
     _need_sample(sample)
     with _removed_on_failure(dst):
         done = pt2_int8.convert(
-            source, sample, dst, max_batch, static=mode == STATIC_INT8, validation=validation,
-            reduce_range=options.reduces_range(), max_seq_len=max_seq_len,
-        )  # fmt: skip
+            source,
+            sample,
+            dst,
+            max_batch,
+            static=mode == STATIC_INT8,
+            validation=validation,
+            reduce_range=options.reduces_range(),
+            max_seq_len=max_seq_len,
+        )
         _need_quantized(done.kernels, done.ops, f"PT2E int8 converts {pt2_int8.CONVERTS}")
         conversion = Int8Conversion(
             fp32=PackageRunner(fp32_package, options.threads),

@@ -334,8 +334,10 @@ def run_batch(
     except Exception as exc:
         log.exception(
             "model=%s version=%s request_ids=%s the handler raised",
-            context.model_name, context.model_version, ",".join(r.request_id for r in requests),
-        )  # fmt: skip
+            context.model_name,
+            context.model_version,
+            ",".join(r.request_id for r in requests),
+        )
         kind = type(exc).__name__
         return [
             InferenceResponse.failed(

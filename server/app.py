@@ -244,8 +244,9 @@ async def serve(settings: ServerSettings) -> int:
     await grpc_servers.start()
     log.info(
         "gRPC inference on %s, gRPC management on %s",
-        settings.grpc_inference_address, settings.grpc_management_address,
-    )  # fmt: skip
+        settings.grpc_inference_address,
+        settings.grpc_management_address,
+    )
 
     await load_startup_models(registry, settings, stop)
     management.on_change = snapshot.recorder(registry, settings)

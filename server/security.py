@@ -182,8 +182,9 @@ def resolve_keys(settings: ServerSettings) -> AccessKeys:
         _write_key_file(settings.key_file, generated)
         log.info(
             "generated %s key(s), written to %s (readable by its owner only)",
-            " and ".join(sorted(generated)), settings.key_file.resolve(),
-        )  # fmt: skip
+            " and ".join(sorted(generated)),
+            settings.key_file.resolve(),
+        )
     if management is None:
         log.warning("no management key and no key_file: the management API refuses every call")
     return AccessKeys(management, inference)

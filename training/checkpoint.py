@@ -95,10 +95,14 @@ def save_training(
 
         save_sharded(folder / SHARDED_FOLDER, model, optimizer, trainer_state, info)
     elif info.is_main:
-        save_checkpoint(folder / CHECKPOINT_NAME, {
-            **trainer_state, "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-        })  # fmt: skip
+        save_checkpoint(
+            folder / CHECKPOINT_NAME,
+            {
+                **trainer_state,
+                "model": unwrap(model).state_dict(),
+                "optimizer": optimizer.state_dict(),
+            },
+        )
     barrier(info)
 
 

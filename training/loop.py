@@ -125,8 +125,11 @@ def train_epoch(
                 dtype=torch.float64,
             )
     all_reduce_sum(totals, info or DistInfo())
-    return EpochStats(totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item(),
-                      int(totals[2].item()))  # fmt: skip
+    return EpochStats(
+        totals[0].item() / totals[2].item(),
+        totals[1].item() / totals[2].item(),
+        int(totals[2].item()),
+    )
 
 
 @torch.no_grad()

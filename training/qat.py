@@ -174,9 +174,12 @@ def finetune(
     loader = data.make_loader(data.DigitsDataset(splits.train), settings.batch_size, settings.seed)
     val_loader = data.make_loader(data.DigitsDataset(splits.validation), 256, shuffle=False)
     optimizer = make_optimizer(
-        settings.optimizer, prepared.parameters(), settings.lr, settings.momentum,
+        settings.optimizer,
+        prepared.parameters(),
+        settings.lr,
+        settings.momentum,
         settings.weight_decay,
-    )  # fmt: skip
+    )
     amp = AmpPolicy.for_device(CPU, enabled=False)  # fake quantization runs in fp32
     history: list[dict[str, float]] = []
     started = time.perf_counter()
@@ -191,21 +194,39 @@ def finetune(
         prepared.apply(disable_observer)  # validation images must not move the ranges
         val = evaluate(prepared, val_loader, CPU)
         elapsed = time.perf_counter() - epoch_started
-        history.append({
-            "epoch": epoch, "train_loss": stats.loss, "train_accuracy": stats.accuracy,
-            "val_loss": val.loss, "val_accuracy": val.accuracy, "seconds": elapsed,
-            "samples_per_second": throughput, "qat": 1.0,
-        })  # fmt: skip
+        history.append(
+            {
+                "epoch": epoch,
+                "train_loss": stats.loss,
+                "train_accuracy": stats.accuracy,
+                "val_loss": val.loss,
+                "val_accuracy": val.accuracy,
+                "seconds": elapsed,
+                "samples_per_second": throughput,
+                "qat": 1.0,
+            }
+        )
         log.info(
             "qat epoch %d/%d train_loss=%.4f train_acc=%.4f val_loss=%.4f val_acc=%.4f "
-            "(%.1fs, %.0f samples/s)", step, settings.epochs, stats.loss, stats.accuracy,
-            val.loss, val.accuracy, elapsed, throughput,
-        )  # fmt: skip
+            "(%.1fs, %.0f samples/s)",
+            step,
+            settings.epochs,
+            stats.loss,
+            stats.accuracy,
+            val.loss,
+            val.accuracy,
+            elapsed,
+            throughput,
+        )
     prepared.eval()
     return QatModel(
-        prepared, settings, history, time.perf_counter() - started,
-        splits.validation.images.numpy(), left,
-    )  # fmt: skip
+        prepared,
+        settings,
+        history,
+        time.perf_counter() - started,
+        splits.validation.images.numpy(),
+        left,
+    )
 
 
 def ptq_accuracy(
@@ -286,9 +307,9 @@ def _latency_ms(
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _compile(converted: Any, dst: Path, sample: Mapping[str, np.ndarray]) -> tuple[
-    dict[str, int], Pt2Build, dict[str, Any]
-]:  # fmt: skip
+def _compile(
+    converted: Any, dst: Path, sample: Mapping[str, np.ndarray]
+) -> tuple[dict[str, int], Pt2Build, dict[str, Any]]:
     """Export, compile and check the converted model: its int8 kernels, its build record and
     the compile options."""
     options = compile_options()
@@ -320,9 +341,14 @@ def export_int8(
 
     reduce_range = qat.settings.reduces_range()
     ptq = ptq_accuracy(
-        program, folder, sample, qat.calibration_inputs, validation_inputs, validation_labels,
+        program,
+        folder,
+        sample,
+        qat.calibration_inputs,
+        validation_inputs,
+        validation_labels,
         reduce_range,
-    )  # fmt: skip
+    )
     dst = folder / "model.int8.pt2"
     named = {INPUT_NAME: sample}
     kernels, build, compiled = _compile(_converted(qat), dst, named)
@@ -342,36 +368,58 @@ def export_int8(
         int8.close()
         fp32_runner.close()
     options: dict[str, Any] = {
-        "flow": "pt2e", "method": "qat", "quantizer": QUANTIZER,
-        "quantizerConfig": QUANTIZER_CONFIG, "scheme": "static", "reduceRange": reduce_range,
-        "torchao": torchao.__version__, "source": "qat", "compileOptions": compiled,
-    }  # fmt: skip
+        "flow": "pt2e",
+        "method": "qat",
+        "quantizer": QUANTIZER,
+        "quantizerConfig": QUANTIZER_CONFIG,
+        "scheme": "static",
+        "reduceRange": reduce_range,
+        "torchao": torchao.__version__,
+        "source": "qat",
+        "compileOptions": compiled,
+    }
     left_float = {"convolution of one input channel": len(qat.left_float)} if qat.left_float else {}
     report = QuantizationReport(
-        model_format="pt2", source_sha256=sha256_of(fp32.path),
-        fp32_bytes=fp32.path.stat().st_size, int8_bytes=dst.stat().st_size,
-        fp32_latency_ms=round(fp32_ms, 5), int8_latency_ms=round(int8_ms, 5),
-        max_abs_diff=diff, quantized_ops=kernels, left_float=left_float, engine="onednn",
-        options=options, validation=checked, int8_sha256=sha256_of(dst), mode=STATIC_INT8,
-    )  # fmt: skip
+        model_format="pt2",
+        source_sha256=sha256_of(fp32.path),
+        fp32_bytes=fp32.path.stat().st_size,
+        int8_bytes=dst.stat().st_size,
+        fp32_latency_ms=round(fp32_ms, 5),
+        int8_latency_ms=round(int8_ms, 5),
+        max_abs_diff=diff,
+        quantized_ops=kernels,
+        left_float=left_float,
+        engine="onednn",
+        options=options,
+        validation=checked,
+        int8_sha256=sha256_of(dst),
+        mode=STATIC_INT8,
+    )
     last = qat.history[-1] if qat.history else {}
     how = {
-        "epochs": qat.settings.epochs, "lr": qat.settings.lr,
-        "optimizer": qat.settings.optimizer, "batchSize": qat.settings.batch_size,
-        "observersFrozenLastEpoch": qat.settings.epochs > 1, "seconds": round(qat.seconds, 3),
+        "epochs": qat.settings.epochs,
+        "lr": qat.settings.lr,
+        "optimizer": qat.settings.optimizer,
+        "batchSize": qat.settings.batch_size,
+        "observersFrozenLastEpoch": qat.settings.epochs > 1,
+        "seconds": round(qat.seconds, 3),
         "fakeQuantValAccuracy": last.get("val_accuracy"),
         "guardReference": "the fake-quantized model QAT trained (eager)",
         "ptqAccuracy": ptq,
         "ptqCalibrationSamples": len(qat.calibration_inputs),
         "leftFloat": list(qat.left_float),
-    }  # fmt: skip
+    }
     entry = report.manifest_entry("training")
     entry = replace(entry, details={**entry.details, "qat": how})
     log.info(
         "int8 .pt2 (QAT, %d epochs): %.2fx smaller, %.2fx faster than fp32 on the sample input; "
-        "accuracy %.4f, static int8 (PTQ) %.4f", qat.settings.epochs, report.size_ratio,
-        report.latency_ratio, checked.int8_accuracy or 0.0, ptq,
-    )  # fmt: skip
+        "accuracy %.4f, static int8 (PTQ) %.4f",
+        qat.settings.epochs,
+        report.size_ratio,
+        report.latency_ratio,
+        checked.int8_accuracy or 0.0,
+        ptq,
+    )
     info = replace(build.info, compile_options=compiled)
     metrics = {"quantization": "qat", "qatEpochs": qat.settings.epochs, "ptqTestAccuracy": ptq}
     return Exported(

@@ -119,9 +119,14 @@ class TrainConfig:
     def qat_settings(self) -> QatSettings:
         lr = self.qat_lr if self.qat_lr is not None else self.lr / 10
         return QatSettings(
-            epochs=self.qat_epochs, lr=lr, optimizer=self.optimizer, momentum=self.momentum,
-            weight_decay=self.weight_decay, batch_size=self.batch_size, seed=self.seed,
-        )  # fmt: skip
+            epochs=self.qat_epochs,
+            lr=lr,
+            optimizer=self.optimizer,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            batch_size=self.batch_size,
+            seed=self.seed,
+        )
 
     @property
     def run_dir(self) -> Path:
@@ -139,8 +144,10 @@ class TrainConfig:
         if self.cpu_offload and self.strategy != "fsdp":
             raise ValueError("CPU offload shards the model: use it with strategy fsdp")
         if self.qat and ("pt2-int8" not in self.formats or self.qat_epochs < 1):
-            raise ValueError("QAT makes the pt2-int8 archive: add pt2-int8 to the formats and "
-                             "give at least 1 QAT epoch")  # fmt: skip
+            raise ValueError(
+                "QAT makes the pt2-int8 archive: add pt2-int8 to the formats and "
+                "give at least 1 QAT epoch"
+            )
 
 
 @dataclass
@@ -187,10 +194,14 @@ def _train(  # noqa: PLR0915  (one run, start to end, reads best in one place)
     )
     cuda = device.type == "cuda"
     loader = data.make_loader(
-        dataset, config.batch_size, config.seed,
-        num_workers=config.num_workers, pin_memory=cuda,
-        rank=info.rank, world_size=info.world_size,
-    )  # fmt: skip
+        dataset,
+        config.batch_size,
+        config.seed,
+        num_workers=config.num_workers,
+        pin_memory=cuda,
+        rank=info.rank,
+        world_size=info.world_size,
+    )
     val_loader = data.make_loader(
         data.DigitsDataset(splits.validation), 256, config.seed, shuffle=False
     )
@@ -199,8 +210,13 @@ def _train(  # noqa: PLR0915  (one run, start to end, reads best in one place)
     parallelism = Parallelism(config.strategy, config.cpu_offload, mixed_precision)
     model = parallelize(build_model(config.model).to(device), parallelism, info, device)
     share = parameter_share(model)
-    log.info("%s: this rank holds %d of %d parameters (%.1f%%)", config.strategy, share.local,
-             share.total, 100 * share.fraction)  # fmt: skip
+    log.info(
+        "%s: this rank holds %d of %d parameters (%.1f%%)",
+        config.strategy,
+        share.local,
+        share.total,
+        100 * share.fraction,
+    )
     optimizer = make_optimizer(
         config.optimizer, model.parameters(), config.lr, config.momentum, config.weight_decay
     )
@@ -208,14 +224,16 @@ def _train(  # noqa: PLR0915  (one run, start to end, reads best in one place)
     checkpoints = config.run_dir / "checkpoints"
     start_epoch, history = 1, []
     if config.resume or info.restart_count > 0:
-        state = restore_training(checkpoints, model, optimizer, device, info,
-                                 sharded=parallelism.sharded)  # fmt: skip
+        state = restore_training(
+            checkpoints, model, optimizer, device, info, sharded=parallelism.sharded
+        )
         if state is not None:
             amp.scaler.load_state_dict(state["scaler"])
             set_rng_state(state["rng"])
             start_epoch, history = int(state["epoch"]) + 1, list(state["history"])
-            log.info("resumed from %s after epoch %d (rank %d)", checkpoints, start_epoch - 1,
-                     info.rank)  # fmt: skip
+            log.info(
+                "resumed from %s after epoch %d (rank %d)", checkpoints, start_epoch - 1, info.rank
+            )
         else:
             log.info("no checkpoint in %s; starting from epoch 1", checkpoints)
 
@@ -224,33 +242,57 @@ def _train(  # noqa: PLR0915  (one run, start to end, reads best in one place)
     for epoch in range(start_epoch, config.epochs + 1):
         started = time.perf_counter()
         data.set_loader_epoch(loader, epoch)
-        with profiling(config.profile and epoch == start_epoch and info.is_main,
-                       config.run_dir / "profile"):  # fmt: skip
+        with profiling(
+            config.profile and epoch == start_epoch and info.is_main, config.run_dir / "profile"
+        ):
             stats = train_epoch(
-                model, loader, optimizer, amp, device, epoch, info=info,
-                detect_anomaly=config.detect_anomaly, progress=progress and info.is_main,
-            )  # fmt: skip
+                model,
+                loader,
+                optimizer,
+                amp,
+                device,
+                epoch,
+                info=info,
+                detect_anomaly=config.detect_anomaly,
+                progress=progress and info.is_main,
+            )
         throughput = stats.samples / (time.perf_counter() - started)  # all ranks' samples
         val = evaluate(unwrap(model), val_loader, device)
         elapsed = time.perf_counter() - started
-        history.append({
-            "epoch": epoch, "train_loss": stats.loss, "train_accuracy": stats.accuracy,
-            "val_loss": val.loss, "val_accuracy": val.accuracy, "seconds": elapsed,
-            "samples_per_second": throughput,
-        })  # fmt: skip
+        history.append(
+            {
+                "epoch": epoch,
+                "train_loss": stats.loss,
+                "train_accuracy": stats.accuracy,
+                "val_loss": val.loss,
+                "val_accuracy": val.accuracy,
+                "seconds": elapsed,
+                "samples_per_second": throughput,
+            }
+        )
         log.info(
             "epoch %d/%d train_loss=%.4f train_acc=%.4f val_loss=%.4f val_acc=%.4f "
-            "(%.1fs, %.0f samples/s)", epoch, config.epochs, stats.loss, stats.accuracy,
-            val.loss, val.accuracy, elapsed, throughput,
-        )  # fmt: skip
+            "(%.1fs, %.0f samples/s)",
+            epoch,
+            config.epochs,
+            stats.loss,
+            stats.accuracy,
+            val.loss,
+            val.accuracy,
+            elapsed,
+            throughput,
+        )
         epochs_run += 1
         trainer_state = {
-            "epoch": epoch, "scaler": amp.scaler.state_dict(), "rng": rng_state(),
+            "epoch": epoch,
+            "scaler": amp.scaler.state_dict(),
+            "rng": rng_state(),
             "history": history,
             "config": {"model": config.model, "seed": config.seed, "epochs": config.epochs},
-        }  # fmt: skip
-        save_training(checkpoints, model, optimizer, trainer_state, info,
-                      sharded=parallelism.sharded)  # fmt: skip
+        }
+        save_training(
+            checkpoints, model, optimizer, trainer_state, info, sharded=parallelism.sharded
+        )
         if config.fail_once_at_epoch == epoch and info.restart_count == 0:
             raise SimulatedFailure(f"simulated failure after epoch {epoch} (checkpoint saved)")
         if config.stop_after_epoch == epoch:
@@ -284,21 +326,37 @@ def _publish(
     qat: QatModel | None = None
     if config.qat:  # after the fp32 epochs (or from a resumed run's last checkpoint)
         progress = config.progress if config.progress is not None else sys.stderr.isatty()
-        qat = finetune(net, splits, config.qat_settings(), first_epoch=config.epochs + 1,
-                       progress=progress)  # fmt: skip
+        qat = finetune(
+            net, splits, config.qat_settings(), first_epoch=config.epochs + 1, progress=progress
+        )
         history = [*history, *qat.history]
     metrics: dict[str, Any] = {
-        "model": config.model, "name": config.name, "dataset": "sklearn-digits",
-        "epochs": config.epochs, "seed": config.seed, "world_size": info.world_size,
-        "strategy": config.strategy, "cpu_offload": config.cpu_offload,
-        "amp": config.amp, "optimizer": config.optimizer, "lr": config.lr,
-        "batch_size": config.batch_size, "train_samples": len(splits.train),
-        "test_samples": test.samples, "test_accuracy": test.accuracy, "test_loss": test.loss,
-        "weights_sha256": weights_digest(net), "history": history, "exports": {},
-    }  # fmt: skip
+        "model": config.model,
+        "name": config.name,
+        "dataset": "sklearn-digits",
+        "epochs": config.epochs,
+        "seed": config.seed,
+        "world_size": info.world_size,
+        "strategy": config.strategy,
+        "cpu_offload": config.cpu_offload,
+        "amp": config.amp,
+        "optimizer": config.optimizer,
+        "lr": config.lr,
+        "batch_size": config.batch_size,
+        "train_samples": len(splits.train),
+        "test_samples": test.samples,
+        "test_accuracy": test.accuracy,
+        "test_loss": test.loss,
+        "weights_sha256": weights_digest(net),
+        "history": history,
+        "exports": {},
+    }
     if qat is not None:
-        metrics["qat"] = {"epochs": qat.settings.epochs, "lr": qat.settings.lr,
-                          "seconds": qat.seconds}  # fmt: skip
+        metrics["qat"] = {
+            "epochs": qat.settings.epochs,
+            "lr": qat.settings.lr,
+            "seconds": qat.seconds,
+        }
 
     export_dir = config.run_dir / "export"
     export_dir.mkdir(parents=True, exist_ok=True)
@@ -323,15 +381,25 @@ def _publish(
         logits = runner_for(exported.model_format)(exported.path, held_out.numpy())
         accuracy = float((logits.argmax(1) == splits.test.labels.numpy()).mean())
         archive_metrics = {
-            "testAccuracy": accuracy, "testSamples": len(splits.test),
-            "eagerTestAccuracy": test.accuracy, "maxAbsDiffVsEager": exported.max_abs_diff,
-            "dataset": "sklearn-digits", "epochs": config.epochs, "seed": config.seed,
+            "testAccuracy": accuracy,
+            "testSamples": len(splits.test),
+            "eagerTestAccuracy": test.accuracy,
+            "maxAbsDiffVsEager": exported.max_abs_diff,
+            "dataset": "sklearn-digits",
+            "epochs": config.epochs,
+            "seed": config.seed,
             **exported.metrics,
-        }  # fmt: skip
-        path = build_model_archive(exported, contents, support, config.out, config.name,
-                                   archive_metrics)  # fmt: skip
-        log.info("%s: %s test accuracy %.4f (max |diff| vs eager %.2g)", path, fmt, accuracy,
-                 exported.max_abs_diff)  # fmt: skip
+        }
+        path = build_model_archive(
+            exported, contents, support, config.out, config.name, archive_metrics
+        )
+        log.info(
+            "%s: %s test accuracy %.4f (max |diff| vs eager %.2g)",
+            path,
+            fmt,
+            accuracy,
+            exported.max_abs_diff,
+        )
         metrics["exports"][fmt] = {"archive": str(path), **archive_metrics}
         archives.append(path)
     write_metrics(config.run_dir / "metrics.json", metrics)
@@ -362,13 +430,22 @@ def _export(
         fp32, program = programs["pt2"]
         if qat is not None:
             return export_qat_int8(
-                qat, fp32, program, folder, contents.sample, contents.validation_inputs,
+                qat,
+                fp32,
+                program,
+                folder,
+                contents.sample,
+                contents.validation_inputs,
                 contents.validation_labels,
-            )  # fmt: skip
+            )
         return export_pt2_int8(
-            program, fp32, folder, contents.sample, contents.validation_inputs,
+            program,
+            fp32,
+            folder,
+            contents.sample,
+            contents.validation_inputs,
             contents.validation_labels,
-        )  # fmt: skip
+        )
     if fmt == "torchscript":
         return export_torchscript(net, folder / "model.pt", held_out)
     if fmt == "traced":

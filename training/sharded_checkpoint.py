@@ -52,16 +52,26 @@ TRAINER_STATE = "trainer.pt"
 
 # What DCP's `.metadata` pickle is made of (torch 2.13), and torch dtypes besides.
 _METADATA_GLOBALS = frozenset(
-    [("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    )] + [
+    [
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ]
+    + [
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("pathlib", "PosixPath"),  # the checkpoint's own path, recorded by DCP
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
     ]
-)  # fmt: skip
+)
 
 
 class CheckpointError(ValueError):
@@ -124,8 +134,11 @@ def save_sharded(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_save(tensors, storage_writer=FileSystemWriter(target), no_dist=not info.distributed)
     if info.is_main:
-        state = {**trainer_state, "param_groups": optimizer_state["param_groups"],
-                 "world_size": info.world_size}  # fmt: skip
+        state = {
+            **trainer_state,
+            "param_groups": optimizer_state["param_groups"],
+            "world_size": info.world_size,
+        }
         torch.save(state, target / TRAINER_STATE)
         tmp = folder / f".{LATEST}.tmp"
         tmp.write_text(target.name + "\n")
@@ -171,6 +184,11 @@ def load_sharded(
     optimizer_state["param_groups"] = trainer_state.pop("param_groups")
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     saved_by = int(trainer_state.get("world_size", 1))
-    log.info("loaded sharded checkpoint %s (written by %d rank%s, read by %d)", target,
-             saved_by, "s" if saved_by > 1 else "", info.world_size)  # fmt: skip
+    log.info(
+        "loaded sharded checkpoint %s (written by %d rank%s, read by %d)",
+        target,
+        saved_by,
+        "s" if saved_by > 1 else "",
+        info.world_size,
+    )
     return trainer_state

@@ -108,11 +108,13 @@ def parallelize(
     mesh = init_device_mesh(device.type, (info.world_size,))  # over the default group
     offload = CPUOffloadPolicy(pin_memory=cuda) if parallelism.cpu_offload else OffloadPolicy()
     layer_policy = parallelism.mixed_precision or MixedPrecisionPolicy()
-    layers = [name for name, child in model.named_children()
-              if next(child.parameters(), None) is not None]  # fmt: skip
+    layers = [
+        name for name, child in model.named_children() if next(child.parameters(), None) is not None
+    ]
     for name in layers:
-        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=layer_policy,
-                    offload_policy=offload)  # fmt: skip
+        fully_shard(
+            model.get_submodule(name), mesh=mesh, mp_policy=layer_policy, offload_policy=offload
+        )
     # The root's outputs come back in fp32, so the loss is computed as without the policy.
     root_policy = MixedPrecisionPolicy(
         param_dtype=layer_policy.param_dtype,
@@ -122,9 +124,13 @@ def parallelize(
     fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
     log.info(
         "fsdp over %d ranks (%s): one unit per layer (%s) and the root; mixed precision %s; "
-        "cpu offload %s", info.world_size, dist.get_backend(), ", ".join(layers),
-        layer_policy.param_dtype or "off", "on" if parallelism.cpu_offload else "off",
-    )  # fmt: skip
+        "cpu offload %s",
+        info.world_size,
+        dist.get_backend(),
+        ", ".join(layers),
+        layer_policy.param_dtype or "off",
+        "on" if parallelism.cpu_offload else "off",
+    )
     return model
 
 

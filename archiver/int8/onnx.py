@@ -21,8 +21,14 @@ from scriptserve.archiver.int8.conversion import (
     QuantizeOptions,
 )
 
-_INT8_OPS = {"MatMulInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM", "QAttention",
-             "ConvInteger", "QGemm"}  # fmt: skip
+_INT8_OPS = {
+    "MatMulInteger",
+    "DynamicQuantizeMatMul",
+    "DynamicQuantizeLSTM",
+    "QAttention",
+    "ConvInteger",
+    "QGemm",
+}
 
 
 class _PreprocessingHintFilter(logging.Filter):
@@ -42,9 +48,13 @@ def convert(src: Path, dst: Path, options: QuantizeOptions) -> Int8Conversion:
     logging.getLogger().addFilter(hint)
     try:
         quantize_dynamic(
-            src, dst, weight_type=types[options.weight_type], per_channel=options.per_channel,
-            reduce_range=options.reduces_range(), op_types_to_quantize=list(options.op_types),
-        )  # fmt: skip
+            src,
+            dst,
+            weight_type=types[options.weight_type],
+            per_channel=options.per_channel,
+            reduce_range=options.reduces_range(),
+            op_types_to_quantize=list(options.op_types),
+        )
     except Exception as exc:  # onnxruntime.quantization raises many unrelated types
         raise QuantizationError(f"onnxruntime quantize_dynamic failed: {exc}") from None
     finally:

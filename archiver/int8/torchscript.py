@@ -91,8 +91,9 @@ def convert(src: Path, dst: Path, options: QuantizeOptions) -> Int8Conversion:
     if quantized and left:
         log.warning(
             "%s left in fp32 (%s); quantize from the eager model file to convert LSTM/GRU",
-            src.name, ", ".join(f"{v} {k}" for k, v in left.items()),
-        )  # fmt: skip
+            src.name,
+            ", ".join(f"{v} {k}" for k, v in left.items()),
+        )
     return Int8Conversion(_runner(fp32), _runner(int8), quantized, left, ops, engine)
 
 
@@ -153,9 +154,11 @@ def _quantize(src: Path, dst: Path, options: QuantizeOptions) -> tuple[Any, Any,
                 fp32 = torch.jit.load(str(src), map_location="cpu").eval()  # type: ignore[no-untyped-call]
             except Exception as exc:
                 raise QuantizationError(f"the file does not load as TorchScript: {exc}") from None
-            qconfig = tq.per_channel_dynamic_qconfig if options.per_channel else (
-                tq.default_dynamic_qconfig
-            )  # fmt: skip
+            qconfig = (
+                tq.per_channel_dynamic_qconfig
+                if options.per_channel
+                else (tq.default_dynamic_qconfig)
+            )
             source = torch.jit.load(str(src), map_location="cpu").eval()  # type: ignore[no-untyped-call]
             try:
                 int8 = tq.quantize_dynamic_jit(source, {"": qconfig})  # type: ignore[no-untyped-call]
@@ -184,8 +187,11 @@ def _int8_ops(int8: Any) -> tuple[dict[str, int], dict[str, int], list[str]]:
                 walk(inner)
 
     walk(int8.inlined_graph)
-    quantized = {k: v for k, v in sorted(counts.items()) if "quantized" in k.split("::")[-1]
-                 or k.startswith("quantized::")}  # fmt: skip
+    quantized = {
+        k: v
+        for k, v in sorted(counts.items())
+        if "quantized" in k.split("::")[-1] or k.startswith("quantized::")
+    }
     left = {_FLOAT_OPS[k]: v for k, v in counts.items() if k in _FLOAT_OPS}
     seen = sorted(k for k in counts if k.startswith("aten::") and not k.startswith("aten::_"))
     return quantized, left, seen

@@ -216,8 +216,12 @@ class Pt2Backend:
             log.info(
                 "%d threads call the .pt2 model %s on %s: loading a container of %d model "
                 "instances in place of one of %d",
-                wanted, self._file, self.device, wanted, self.models,
-            )  # fmt: skip
+                wanted,
+                self._file,
+                self.device,
+                wanted,
+                self.models,
+            )
             try:
                 new = self._create(wanted)
             except AotiError as exc:

@@ -66,8 +66,10 @@ def decode_instances(body: bytes) -> list[Any]:
         if isinstance(inputs, dict):
             return _columns(inputs)
         if not isinstance(inputs, list) or not inputs:
-            raise InvalidInput('"inputs" must be a non-empty list of instances, or an object '
-                               "mapping each input name to its instances")  # fmt: skip
+            raise InvalidInput(
+                '"inputs" must be a non-empty list of instances, or an object '
+                "mapping each input name to its instances"
+            )
         return inputs
     instances = doc.get("instances")
     if not isinstance(instances, list) or not instances:

@@ -321,8 +321,10 @@ def encode_response(
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif datatype == "BYTES":
-            entry["data"] = [b.decode(errors="replace") if isinstance(b, bytes) else str(b)
-                             for b in array.ravel()]  # fmt: skip
+            entry["data"] = [
+                b.decode(errors="replace") if isinstance(b, bytes) else str(b)
+                for b in array.ravel()
+            ]
         else:
             entry["data"] = array.ravel().tolist()
         entries.append(entry)

@@ -82,10 +82,12 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     @translated
     async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
         served = await self.dataplane.infer(
-            request.model_name, converters.version_of(request.model_version),
-            functools.partial(converters.infer_request, request), protocol="grpc",
+            request.model_name,
+            converters.version_of(request.model_version),
+            functools.partial(converters.infer_request, request),
+            protocol="grpc",
             timeout_s=context.time_remaining(),
-        )  # fmt: skip
+        )
         return converters.fill_infer_response(served, request.id, oip.ModelInferResponse())
 
     @translated
@@ -153,10 +155,12 @@ class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
 
     async def _predict(self, request: Any, context: Any) -> ts.PredictionResponse:
         served = await self.dataplane.infer(
-            request.model_name, converters.version_of(request.model_version),
-            functools.partial(torchserve.predictions_request, request.input), protocol="grpc",
+            request.model_name,
+            converters.version_of(request.model_version),
+            functools.partial(torchserve.predictions_request, request.input),
+            protocol="grpc",
             timeout_s=context.time_remaining(),
-        )  # fmt: skip
+        )
         payload, _ = torchserve.prediction_payload(served.response)
         return ts.PredictionResponse(prediction=payload)
 

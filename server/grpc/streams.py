@@ -107,10 +107,12 @@ class StreamInferCall:
     def _start(self, request: Any) -> None:
         try:
             stream = self._dataplane.stream(
-                request.model_name, converters.version_of(request.model_version),
-                functools.partial(converters.infer_request, request), protocol="grpc",
+                request.model_name,
+                converters.version_of(request.model_version),
+                functools.partial(converters.infer_request, request),
+                protocol="grpc",
                 timeout_s=self._context.time_remaining(),
-            )  # fmt: skip
+            )
         except ServingError as exc:
             self._replies.put_nowait((_error_reply(request, exc), None))
             return
@@ -185,10 +187,12 @@ async def prediction_parts(
     all for a model that answers once). Raises the ServingError that ends the stream; the
     stream ends when the caller stops iterating (the call was cancelled)."""
     stream = dataplane.stream(
-        request.model_name, converters.version_of(request.model_version),
-        functools.partial(torchserve.predictions_request, request.input), protocol="grpc",
+        request.model_name,
+        converters.version_of(request.model_version),
+        functools.partial(torchserve.predictions_request, request.input),
+        protocol="grpc",
         timeout_s=context.time_remaining(),
-    )  # fmt: skip
+    )
     try:
         while (served := await stream.next()) is not None:
             payload, _ = torchserve.prediction_payload(served.response)

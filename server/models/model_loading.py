@@ -56,8 +56,10 @@ def release_heap(pool: AnyWorkerPool) -> None:
     if alive:
         log.info(
             "model=%s version=%s %d handler(s) outlived the model's workers; collecting the heap",
-            pool.model, pool.version, alive,
-        )  # fmt: skip
+            pool.model,
+            pool.version,
+            alive,
+        )
         gc.unfreeze()
         freeze_heap()
 
@@ -101,9 +103,13 @@ class ModelLoader:
             gpus = sum(1 for d in self.devices if d.startswith("cuda"))
             try:
                 settings = ModelSettings.resolve(
-                    self.settings, config, overrides, gpus=gpus, batching=cls.supports_batching,
+                    self.settings,
+                    config,
+                    overrides,
+                    gpus=gpus,
+                    batching=cls.supports_batching,
                     defaults=self.settings.model_config_defaults(name, version),
-                )  # fmt: skip
+                )
                 devices = settings.devices(self.devices)
             except ValueError as exc:
                 raise InvalidInput(str(exc)) from None
@@ -185,9 +191,12 @@ class ModelLoader:
         if q is not None and q.details.get("appliedAt") == "load":
             log.info(
                 "model=%s version=%s serves dynamic int8 (%s): %.2fx smaller, %.2fx faster",
-                name, version, "from cache" if q.details.get("cached") else "converted",
-                q.size_ratio or 0, q.latency_ratio or 0,
-            )  # fmt: skip
+                name,
+                version,
+                "from cache" if q.details.get("cached") else "converted",
+                q.size_ratio or 0,
+                q.latency_ratio or 0,
+            )
         return model_file, manifest
 
 

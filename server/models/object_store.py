@@ -173,6 +173,10 @@ async def sync_store(url: str, local: Path, settings: ServerSettings) -> list[Pa
     record.write_text(json.dumps(known))
     log.info(
         "model store %s: %d archive(s) in %s, %d copied (%.1f s)",
-        url, len(found), local, copied, time.monotonic() - started,
-    )  # fmt: skip
+        url,
+        len(found),
+        local,
+        copied,
+        time.monotonic() - started,
+    )
     return found

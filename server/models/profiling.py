@@ -160,8 +160,11 @@ class Profiler:
                 profiler = await self._in_own_thread(start_profiler, settings, True)
             log.info(
                 "model=%s version=%s profiling %s batches, for at most %g s",
-                mv.name, mv.version, batches if batches is not None else "all", wait_s,
-            )  # fmt: skip
+                mv.name,
+                mv.version,
+                batches if batches is not None else "all",
+                wait_s,
+            )
             started = time.monotonic()
             pool.capture = capture
             pool.look()  # process workers start their profilers now, not after a batch
@@ -198,9 +201,13 @@ class Profiler:
             problems.append(f"{len(capture.profiling)} worker process(es) did not hand a trace")
         log.info(
             "model=%s version=%s profiled %d batches in %.1f s (%d bytes)%s",
-            mv.name, mv.version, capture.counted, seconds, len(trace),
+            mv.name,
+            mv.version,
+            capture.counted,
+            seconds,
+            len(trace),
             f"; {'; '.join(problems)}" if problems else "",
-        )  # fmt: skip
+        )
         return ProfileResult(trace, file_name, capture.counted, seconds, problems)
 
     async def _in_own_thread(self, function: Any, *args: Any) -> Any:

@@ -200,9 +200,13 @@ class ModelRegistry:
         self._loading.add(key)
         try:
             mv = await asyncio.to_thread(
-                self.loader.start, reader, name=name, source=source,
-                overrides=overrides or {}, startup=startup,
-            )  # fmt: skip
+                self.loader.start,
+                reader,
+                name=name,
+                source=source,
+                overrides=overrides or {},
+                startup=startup,
+            )
         except (ServingError, HandlerError, BackendError, ValueError, OSError) as exc:
             if isinstance(exc, ServingError) and not startup:
                 raise
@@ -215,8 +219,12 @@ class ModelRegistry:
         self._failed.pop(name, None)
         log.info(
             "model=%s version=%s loaded: %d workers, batch %d, delay %g ms",
-            name, version, mv.pool.size, mv.settings.batch_size, mv.settings.max_batch_delay_ms,
-        )  # fmt: skip
+            name,
+            version,
+            mv.pool.size,
+            mv.settings.batch_size,
+            mv.settings.max_batch_delay_ms,
+        )
         await asyncio.to_thread(freeze_heap)
         return mv
 

@@ -255,9 +255,10 @@ def report_torchserve_config(path: Path, environ: Mapping[str, str] | None = Non
     config = read_torchserve_config(path, environ)
     log.info(
         "TorchServe config %s: using %s; ignoring %s",
-        path, ", ".join(sorted(config.settings)) or "nothing",
+        path,
+        ", ".join(sorted(config.settings)) or "nothing",
         ", ".join(sorted(config.ignored)) or "no keys",
-    )  # fmt: skip
+    )
     if config.settings.get("insecure_no_auth"):
         log.warning(
             "TorchServe config %s: disable_token_authorization=true turns off every token check",

@@ -72,9 +72,10 @@ class WorkerCollector(Collector):
             "scriptserve_worker_cpu_seconds", "CPU time of a process worker", labels=labels
         )
         rss = GaugeMetricFamily(
-            "scriptserve_worker_resident_memory_bytes", "Resident memory of a process worker",
+            "scriptserve_worker_resident_memory_bytes",
+            "Resident memory of a process worker",
             labels=labels,
-        )  # fmt: skip
+        )
         for w in self._source():
             key = [w.model, w.version, str(w.worker)]
             busy.add_metric(key, 1.0 if w.busy else 0.0)
@@ -96,13 +97,15 @@ class GpuCollector(Collector):
             "scriptserve_gpu_memory_allocated_bytes", "Memory held by tensors", labels=["device"]
         )
         reserved = GaugeMetricFamily(
-            "scriptserve_gpu_memory_reserved_bytes", "Memory held by torch's caching allocator",
+            "scriptserve_gpu_memory_reserved_bytes",
+            "Memory held by torch's caching allocator",
             labels=["device"],
-        )  # fmt: skip
+        )
         utilization = GaugeMetricFamily(
-            "scriptserve_gpu_utilization_ratio", "Share of the last sample period the GPU was busy",
+            "scriptserve_gpu_utilization_ratio",
+            "Share of the last sample period the GPU was busy",
             labels=["device"],
-        )  # fmt: skip
+        )
         for index in range(torch.cuda.device_count()):
             device = f"cuda:{index}"
             allocated.add_metric([device], float(torch.cuda.memory_allocated(index)))

@@ -87,5 +87,6 @@ class HandlerMetricsCollector(Collector):
             log.warning(
                 "model=%s handler metric %s has another kind in another model; its series are "
                 "left out of /metrics: give it another name",
-                model, name,
-            )  # fmt: skip
+                model,
+                name,
+            )

@@ -61,9 +61,10 @@ class _LiveCollector(Collector):
             "scriptserve_workers", "Workers by state", labels=["model", "version", "state"]
         )
         models = GaugeMetricFamily(
-            "scriptserve_model_state", "1 for the state each model version is in",
+            "scriptserve_model_state",
+            "1 for the state each model version is in",
             labels=["model", "version", "state"],
-        )  # fmt: skip
+        )
         for s in self._source():
             depth.add_metric([s.model, s.version], s.queue_depth)
             for state, count in s.workers.items():
@@ -117,31 +118,47 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "scriptserve_requests", "Inference requests answered",
-            ["model", "version", "protocol", "status"], registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_requests",
+            "Inference requests answered",
+            ["model", "version", "protocol", "status"],
+            registry=self.registry,
+        )
         self.request_latency = Histogram(
-            "scriptserve_request_latency_seconds", "End-to-end latency, arrival to answer",
-            ["model", "version", "protocol"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_request_latency_seconds",
+            "End-to-end latency, arrival to answer",
+            ["model", "version", "protocol"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.queue_latency = Histogram(
-            "scriptserve_queue_latency_seconds", "Time from arrival until a worker took it",
-            ["model", "version"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_queue_latency_seconds",
+            "Time from arrival until a worker took it",
+            ["model", "version"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.inference_latency = Histogram(
-            "scriptserve_inference_latency_seconds", "Handler time per batch",
-            ["model", "version"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_inference_latency_seconds",
+            "Handler time per batch",
+            ["model", "version"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.compute_latency = Histogram(
             "scriptserve_compute_seconds",
             "Handler time per batch by stage: input (preprocess), infer (the model), output "
             "(postprocess)",
-            ["model", "version", "stage"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            ["model", "version", "stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.batch_size = Histogram(
-            "scriptserve_batch_size", "Requests per batch run by a worker",
-            ["model", "version"], buckets=_BATCH_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_batch_size",
+            "Requests per batch run by a worker",
+            ["model", "version"],
+            buckets=_BATCH_BUCKETS,
+            registry=self.registry,
+        )
         # Label children of observe_request, looked up once: labels() costs a lock and a tuple.
         # Bounded: unknown model names are all labelled "_unknown".
         self._request_children: dict[
@@ -149,17 +166,23 @@ class ServerMetrics:
         ] = {}
         self._statistics: dict[tuple[str, str], VersionStatistics] = {}
         self.worker_restarts = Counter(
-            "scriptserve_worker_restarts", "Workers replaced after dying or hanging",
-            ["model", "version"], registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_worker_restarts",
+            "Workers replaced after dying or hanging",
+            ["model", "version"],
+            registry=self.registry,
+        )
         self.workers_stuck = Counter(
-            "scriptserve_workers_stuck", "Workers stuck in one call past the response timeout",
-            ["model", "version"], registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_workers_stuck",
+            "Workers stuck in one call past the response timeout",
+            ["model", "version"],
+            registry=self.registry,
+        )
         self.client_disconnects = Counter(
-            "scriptserve_client_disconnects", "HTTP requests whose client went away mid-body",
-            ["api"], registry=self.registry,
-        )  # fmt: skip
+            "scriptserve_client_disconnects",
+            "HTTP requests whose client went away mid-body",
+            ["api"],
+            registry=self.registry,
+        )
 
     def watch(
         self,

@@ -33,9 +33,15 @@ from typing import Any
 
 _NS = 1_000_000_000
 _INFER_STATS = (
-    "success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
     "cache_miss",
-)  # fmt: skip
+)
 
 
 class Duration:

@@ -62,8 +62,10 @@ def connection_budget(requested: int) -> int:
     log.warning(
         "http_max_connections %d would exhaust the open-file limit (%d): using %d; raise the "
         "limit (ulimit -n) to allow more",
-        requested, soft, budget,
-    )  # fmt: skip
+        requested,
+        soft,
+        budget,
+    )
     return budget
 
 
@@ -160,7 +162,8 @@ class HttpConnections:
             log.warning(
                 "%d connection(s) answered 503: http_max_connections (%d) are open and none "
                 "is idle",
-                self._refused, self.limits.max_connections,
-            )  # fmt: skip
+                self._refused,
+                self.limits.max_connections,
+            )
             self._refused = 0
             self._refusal_logged_at = now

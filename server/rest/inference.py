@@ -160,17 +160,23 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     async def generate_one(request: Request, model_name: str, version: str | None) -> Response:
         body, headers = await request.body(), request.headers
         served = await dataplane.infer(
-            model_name, version, lambda: generate.generate_request(body, headers),
-            protocol="rest", timeout_s=client_timeout(request),
-        )  # fmt: skip
+            model_name,
+            version,
+            lambda: generate.generate_request(body, headers),
+            protocol="rest",
+            timeout_s=client_timeout(request),
+        )
         return generate_answer(served)
 
     async def generate_stream(request: Request, model_name: str, version: str | None) -> Response:
         body, headers = await request.body(), request.headers
         stream = dataplane.stream(
-            model_name, version, lambda: generate.generate_request(body, headers),
-            protocol="rest", timeout_s=client_timeout(request),
-        )  # fmt: skip
+            model_name,
+            version,
+            lambda: generate.generate_request(body, headers),
+            protocol="rest",
+            timeout_s=client_timeout(request),
+        )
         return await generate_stream_answer(stream, request)
 
     for suffix, run in (("generate", generate_one), ("generate_stream", generate_stream)):

@@ -58,9 +58,14 @@ def add_kserve_v1_routes(app: FastAPI, dataplane: DataPlane) -> None:
         body = await request.body()
         decode = partial(kserve_v1.instance_requests, body, request.headers, explain)
         served = await dataplane.infer_many(
-            request.path_params["model_name"], None, decode, protocol="rest",
-            timeout_s=client_timeout(request), item="instance", explain=explain,
-        )  # fmt: skip
+            request.path_params["model_name"],
+            None,
+            decode,
+            protocol="rest",
+            timeout_s=client_timeout(request),
+            item="instance",
+            explain=explain,
+        )
         payload = kserve_v1.encode([s.response for s in served], explain)
         return Response(payload, media_type="application/json")
 

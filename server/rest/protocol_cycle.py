@@ -202,9 +202,13 @@ class ProtocolCycle(RequestResponseCycle):
 
     def _infer(self, wire: oip_json.OipBody, timeout_s: float | None) -> None:
         self._withdraw = self.routes.dataplane.respond(
-            self.model_name, self.version, wire.decode, functools.partial(self._inferred, wire),
-            protocol="rest", timeout_s=timeout_s,
-        )  # fmt: skip
+            self.model_name,
+            self.version,
+            wire.decode,
+            functools.partial(self._inferred, wire),
+            protocol="rest",
+            timeout_s=timeout_s,
+        )
 
     def _predict(self, request: InferenceRequest, timeout_s: float | None) -> None:
         # Any handler may answer in parts (TorchServe's send_intermediate_predict_response):
@@ -309,8 +313,9 @@ class ProtocolCycle(RequestResponseCycle):
             if self.response_started:
                 log.exception(
                     "model=%s version=%s: unexpected failure while streaming",
-                    self.model_name, self.version or "default",
-                )  # fmt: skip
+                    self.model_name,
+                    self.version or "default",
+                )
                 self.transport.close()
             else:
                 self._unexpected()
@@ -342,8 +347,11 @@ class ProtocolCycle(RequestResponseCycle):
         except ServingError as exc:
             log.info(
                 "model=%s version=%s stream ended after %d parts: %s",
-                stream.model_name, stream.model_version, stream.parts_sent, exc.message,
-            )  # fmt: skip
+                stream.model_name,
+                stream.model_version,
+                stream.parts_sent,
+                exc.message,
+            )
             self.transport.write(self._chunk(error_body("/predictions", exc)))
         if not self.disconnected:
             self.transport.write(b"0\r\n\r\n")
@@ -449,8 +457,13 @@ def _scope(protocol: InferenceHttpProtocol, method: str, path: str) -> dict[str,
     """What the access log and tracing read of a request head, as an ASGI scope has it, with
     the client and scheme a loopback proxy forwards."""
     scope = {
-        "type": "http", "method": method, "path": path, "headers": protocol.headers,
-        "client": protocol.client, "server": protocol.server, "scheme": protocol.scheme,
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": protocol.headers,
+        "client": protocol.client,
+        "server": protocol.server,
+        "scheme": protocol.scheme,
         "http_version": protocol.parser.get_http_version(),
-    }  # fmt: skip
+    }
     return forwarded_scope(scope)

@@ -160,10 +160,13 @@ def _operation(
     body = {"content": {m: {"schema": {}} for m in media}, "required": True}
     errors = {"description": "An error, as JSON: what to fix"}
     return {
-        "tags": [tag], "summary": summary, "operationId": operation_id, "parameters": parameters,
+        "tags": [tag],
+        "summary": summary,
+        "operationId": operation_id,
+        "parameters": parameters,
         "requestBody": body,
         "responses": {"200": {"description": "The model's answer"}, "4XX": errors, "5XX": errors},
-    }  # fmt: skip
+    }
 
 
 def _openapi_paths() -> dict[str, dict[str, Any]]:

@@ -73,8 +73,11 @@ async def _rest(
     except ServingError as exc:
         log.info(
             "model=%s version=%s stream ended after %d parts: %s",
-            stream.model_name, stream.model_version, stream.parts_sent, exc.message,
-        )  # fmt: skip
+            stream.model_name,
+            stream.model_version,
+            stream.parts_sent,
+            exc.message,
+        )
         yield failed(exc)
     finally:
         stream.close()

@@ -114,8 +114,10 @@ def _read_together(jobs: list[Job], model: str, version: str) -> None:
             except Exception:
                 log.exception(
                     "model=%s version=%s reading %d requests together failed; each is read alone",
-                    model, version, len(sources),
-                )  # fmt: skip
+                    model,
+                    version,
+                    len(sources),
+                )
 
 
 class DynamicBatcher:

@@ -113,22 +113,35 @@ def warm_up(handler: BaseHandler, context: Context, runs: int, worker: int) -> W
             log.warning(
                 "model=%s version=%s worker %d: warm-up run %d of %d failed (%s); the worker "
                 "serves without warm-up",
-                name, version, worker, run + 1, runs, response.error,
-            )  # fmt: skip
+                name,
+                version,
+                worker,
+                run + 1,
+                runs,
+                response.error,
+            )
             error = f"run {run + 1} failed: {response.error}"
             return WarmupResult(run, time.perf_counter() - started, first_s, error)
     result = WarmupResult(runs, time.perf_counter() - started, first_s)
     log.info(
         "model=%s version=%s worker %d warmed up: %d run(s) of the sample input in %.1f ms "
         "(first %.1f ms)",
-        name, version, worker, runs, result.seconds * 1000.0, (first_s or 0.0) * 1000.0,
-    )  # fmt: skip
+        name,
+        version,
+        worker,
+        runs,
+        result.seconds * 1000.0,
+        (first_s or 0.0) * 1000.0,
+    )
     return result
 
 
 def _skipped(context: Context, worker: int, reason: str) -> WarmupResult:
     log.info(
         "model=%s version=%s worker %d not warmed up: %s",
-        context.model_name, context.model_version, worker, reason,
-    )  # fmt: skip
+        context.model_name,
+        context.model_version,
+        worker,
+        reason,
+    )
     return WarmupResult(skipped=reason)

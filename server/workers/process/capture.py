@@ -45,7 +45,10 @@ def follow_capture(slot: ProcessSlot, capture: Capture | None, model: str, versi
     except (WorkerGone, WorkerHung) as exc:
         log.warning(
             "model=%s version=%s worker %d lost while profiling: %s",
-            model, version, slot.id, exc,
-        )  # fmt: skip
+            model,
+            version,
+            slot.id,
+            exc,
+        )
         if capture is not None:
             capture.handed(slot.id, None, f"worker {slot.id} was lost while profiling")

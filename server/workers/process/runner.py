@@ -152,9 +152,14 @@ class ProcessRunner:
             raise WorkerLost(ModelNotReady("the model was stopped before this request ran"))
         try:
             responses = exchange(
-                slot, child, requests, times, parts,
-                timeout_s=self._timeout_s, metrics=self._context.metrics,
-            )  # fmt: skip
+                slot,
+                child,
+                requests,
+                times,
+                parts,
+                timeout_s=self._timeout_s,
+                metrics=self._context.metrics,
+            )
         except WorkerGone as exc:
             when = f"({exc}) while running this request"
             raise WorkerLost(self._lost(pool, slot, requests, when)) from None

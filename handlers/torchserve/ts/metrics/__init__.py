@@ -42,8 +42,14 @@ class Metric:
     """A metric from `add_metric_to_cache` or `get_metric`: values go to the cache's store
     with its dimension names."""
 
-    def __init__(self, cache: MetricsCache, name: str, unit: str, dimension_names: Sequence[str],
-                 metric_type: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cache: MetricsCache,
+        name: str,
+        unit: str,
+        dimension_names: Sequence[str],
+        metric_type: Any,
+    ) -> None:
         self.cache = cache
         self.name = name
         self.unit = unit
@@ -51,8 +57,12 @@ class Metric:
         self.metric_type = metric_type
         self.kind = _kind(metric_type)
 
-    def add_or_update(self, value: float, dimension_values: Sequence[str] | None = None,
-                      request_id: str | None = None) -> None:  # fmt: skip
+    def add_or_update(
+        self,
+        value: float,
+        dimension_values: Sequence[str] | None = None,
+        request_id: str | None = None,
+    ) -> None:
         values = [str(v) for v in dimension_values or ()]
         if len(values) != len(self.dimension_names):
             raise ValueError(
@@ -85,8 +95,14 @@ class MetricsCache:
     def set_request_ids(self, request_ids: dict[int, str]) -> None:
         self.request_ids = request_ids
 
-    def record(self, kind: Kind, name: str, value: float, dims: dict[str, str],
-               request_id: str | None = None) -> None:  # fmt: skip
+    def record(
+        self,
+        kind: Kind,
+        name: str,
+        value: float,
+        dims: dict[str, str],
+        request_id: str | None = None,
+    ) -> None:
         if kind == "counter":
             self.store.counter(name, float(value), **dims)
         elif kind == "gauge":
@@ -95,8 +111,12 @@ class MetricsCache:
             self.store.observe(name, float(value), **dims)
         log.debug(
             "model=%s request_id=%s metric %s=%g (%s)",
-            self.model_name, request_id, name, value, kind,
-        )  # fmt: skip
+            self.model_name,
+            request_id,
+            name,
+            value,
+            kind,
+        )
 
     def _with_defaults(self, dimensions: Iterable[Any] | None) -> dict[str, str]:
         dims = {d.name: str(d.value) for d in dimensions or ()}
@@ -108,30 +128,56 @@ class MetricsCache:
         request_id = self.request_ids.get(idx) if idx is not None else None
         self.record(kind, name, value, self._with_defaults(dimensions), request_id)
 
-    def add_metric(self, name: str, value: float, unit: str = "count",
-                   idx: int | None = None, dimensions: Any = None,
-                   metric_type: Any = MetricTypes.COUNTER) -> None:  # fmt: skip
+    def add_metric(
+        self,
+        name: str,
+        value: float,
+        unit: str = "count",
+        idx: int | None = None,
+        dimensions: Any = None,
+        metric_type: Any = MetricTypes.COUNTER,
+    ) -> None:
         self._add(name, value, idx, dimensions, _kind(metric_type))
 
-    def add_counter(self, name: str, value: float, idx: int | None = None,
-                    dimensions: Any = None) -> None:  # fmt: skip
+    def add_counter(
+        self, name: str, value: float, idx: int | None = None, dimensions: Any = None
+    ) -> None:
         self._add(name, value, idx, dimensions, "counter")
 
-    def add_time(self, name: str, value: float, idx: int | None = None, unit: str = "ms",
-                 dimensions: Any = None, metric_type: Any = MetricTypes.GAUGE) -> None:  # fmt: skip
+    def add_time(
+        self,
+        name: str,
+        value: float,
+        idx: int | None = None,
+        unit: str = "ms",
+        dimensions: Any = None,
+        metric_type: Any = MetricTypes.GAUGE,
+    ) -> None:
         if unit not in ("ms", "s"):
             raise ValueError("the unit for a timed metric should be one of ['ms', 's']")
         self._add(name, value, idx, dimensions, _kind(metric_type))
 
-    def add_size(self, name: str, value: float, idx: int | None = None, unit: str = "MB",
-                 dimensions: Any = None, metric_type: Any = MetricTypes.GAUGE) -> None:  # fmt: skip
+    def add_size(
+        self,
+        name: str,
+        value: float,
+        idx: int | None = None,
+        unit: str = "MB",
+        dimensions: Any = None,
+        metric_type: Any = MetricTypes.GAUGE,
+    ) -> None:
         if unit not in ("MB", "kB", "GB", "B"):
             raise ValueError("the unit for a size metric is one of ['MB', 'kB', 'GB', 'B']")
         self._add(name, value, idx, dimensions, _kind(metric_type))
 
-    def add_percent(self, name: str, value: float, idx: int | None = None,
-                    dimensions: Any = None,
-                    metric_type: Any = MetricTypes.GAUGE) -> None:  # fmt: skip
+    def add_percent(
+        self,
+        name: str,
+        value: float,
+        idx: int | None = None,
+        dimensions: Any = None,
+        metric_type: Any = MetricTypes.GAUGE,
+    ) -> None:
         self._add(name, value, idx, dimensions, _kind(metric_type))
 
     def add_error(self, name: str, value: float, dimensions: Any = None) -> None:
@@ -139,9 +185,13 @@ class MetricsCache:
         dims.setdefault("Level", "Error")
         self.record("counter", name, value, dims)
 
-    def add_metric_to_cache(self, metric_name: str, unit: str,
-                            dimension_names: Sequence[str] | None = None,
-                            metric_type: Any = MetricTypes.COUNTER) -> Metric:  # fmt: skip
+    def add_metric_to_cache(
+        self,
+        metric_name: str,
+        unit: str,
+        dimension_names: Sequence[str] | None = None,
+        metric_type: Any = MetricTypes.COUNTER,
+    ) -> Metric:
         metric = self._metrics.get(metric_name)
         if metric is None:
             names = list(dimension_names or ())

@@ -113,8 +113,9 @@ class BaseHandler(abc.ABC):  # noqa: B024 - abstract in TorchServe too, without 
         if isinstance(self.model_yaml_config.get("pt2"), (dict, str)):
             logger.warning(
                 "model=%s: the model config's pt2 (torch.compile) section is not applied; "
-                "serve a TorchScript or ONNX file instead", context.model_name,
-            )  # fmt: skip
+                "serve a TorchScript or ONNX file instead",
+                context.model_name,
+            )
         self.mapping = load_label_mapping(os.path.join(model_dir, "index_to_name.json"))
         self.initialized = True
 

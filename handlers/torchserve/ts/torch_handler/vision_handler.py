@@ -27,9 +27,12 @@ class ImagePipeline:
     """Resize(resize) -> CenterCrop(crop) -> ToTensor -> Normalize(mean, std)."""
 
     def __init__(
-        self, resize: int = 256, crop: int = 224, mean: tuple[float, ...] = MEAN,
+        self,
+        resize: int = 256,
+        crop: int = 224,
+        mean: tuple[float, ...] = MEAN,
         std: tuple[float, ...] = STD,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.resize = resize
         self.crop = crop
         self.mean = torch.tensor(mean).view(-1, 1, 1)
