@@ -78,26 +78,39 @@ lint: install
 gen-proto: install
 	$(PYTHON) scripts/gen_proto.py
 
-# Load generators come from Debian's packages: wrk (HTTP) and h2load (gRPC, nghttp2-client);
-# benchmarks/grpc_client (C++, closed-loop gRPC) builds on Debian's gRPC into build/grpc_client/.
-# benchmarks/dashboard/ draws the Grafana dashboard from a real Prometheus (Debian's too); then
-# benchmarks/charts.py draws the results' charts, both into docs/images/. benchmarks/rollout/
-# restarts replicas behind Debian's haproxy under load.
+# Every figure of the README's performance table, by the command its row names, in the table's
+# order (hours: the model zoo alone takes about one), then the other benchmarks, the Grafana
+# dashboard and the charts (docs/images/). Load generators come from Debian's packages: wrk
+# (HTTP) and h2load (gRPC, nghttp2-client); benchmarks/grpc_client (C++, closed-loop gRPC)
+# builds on Debian's gRPC; the dashboard needs a real Prometheus, benchmarks/rollout Debian's
+# haproxy. The zoo measures TorchServe 0.12 (Java 17) and OpenVINO beside scriptserve;
+# benchmarks.quantize a TorchScript digits archive, trained here when model_store/ has none.
 bench: install
 	command -v wrk >/dev/null && command -v h2load >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq wrk nghttp2-client)
 	command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy)
+	command -v java >/dev/null || (apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
 	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq prometheus)
 	command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null && \
 		pkg-config --exists grpc++ protobuf || \
 		(apt-get update -qq && apt-get install -y -qq libgrpc++-dev protobuf-compiler-grpc \
 			libprotobuf-dev protobuf-compiler pkg-config)
+	$(PIP_INSTALL) openvino torchserve==0.12.0
 	$(MAKE) -C benchmarks/grpc_client
+	$(PYTHON) -m benchmarks.request_path --rounds 5 --seconds 6
+	$(PYTHON) -m benchmarks.switches
+	$(PYTHON) -m benchmarks.http_load --scenarios B --repeats 2
+	$(PYTHON) -m benchmarks.pt2
+	test -f model_store/digits-torchscript.mar || $(PYTHON) -m scriptserve.training \
+		--model lenet --epochs 10 --formats torchscript --out model_store
+	$(PYTHON) -m benchmarks.quantize --digits-archive model_store/digits-torchscript.mar
+	$(PYTHON) -m benchmarks.zoo
+	$(PYTHON) -m benchmarks.streaming
+	$(PYTHON) -m benchmarks.grpc_frontends
+	$(PYTHON) -m benchmarks.grpc_load
 	$(PYTHON) benchmarks/handler_threads.py
 	$(PYTHON) -m benchmarks.http_load
-	$(PYTHON) -m benchmarks.grpc_load
-	$(PYTHON) -m benchmarks.pt2
+	$(PYTHON) -m benchmarks.rollout
 	$(PYTHON) -m benchmarks.dashboard
 	$(PYTHON) -m benchmarks.charts
-	$(PYTHON) -m benchmarks.rollout
