@@ -3,8 +3,9 @@
 The configuration is filled from what the server really runs, never from defaults it does not
 apply: the batcher's largest batch (`max_batch_size`), the signature's tensors with Triton's
 `TYPE_*` datatypes (without the batch dimension when the model batches), the batcher's delay
-and queue as `dynamic_batching`, the workers as instance groups (count and CPU/GPU), and a
-transaction policy that is never decoupled (no handler streams its answers yet). The answer is
+and queue as `dynamic_batching`, the workers as instance groups (count and CPU/GPU), and the
+transaction policy: decoupled (any number of answers per request, Triton's word for a model that
+streams) when the model's handler answers in parts. The answer is
 the JSON form of Triton's `ModelConfig` (model_config.proto): the REST route returns it as it is,
 the gRPC method parses it into the message.
 
@@ -111,7 +112,7 @@ def model_configuration(
         "instance_group": _instance_groups(mv),
         "default_model_filename": mv.manifest.model.serialized_file or "",
         "parameters": {key: {"string_value": str(value)} for key, value in parameters.items()},
-        "model_transaction_policy": {"decoupled": False},
+        "model_transaction_policy": {"decoupled": mv.streams},
     }
     if settings.batch_size > 1:
         config["dynamic_batching"] = {

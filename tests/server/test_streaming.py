@@ -118,6 +118,9 @@ def test_one_piece_endpoints_point_to_the_streaming_ones(server: ServerProcess) 
     r = httpx.post(f"{server.url}/v2/models/tinylm/infer", json=infer)
     assert r.status_code == 400
     assert "ModelStreamInfer" in r.json()["error"]
+    # Triton's word for a model that answers in parts: its clients then use the stream APIs.
+    config = httpx.get(f"{server.url}/v2/models/tinylm/config").json()
+    assert config["model_transaction_policy"] == {"decoupled": True}
 
 
 def test_bad_generate_requests_say_what_to_send(server: ServerProcess) -> None:
