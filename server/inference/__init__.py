@@ -1,2 +1,2 @@
 """The request path: the data plane and what it decides (admission, deadlines, in-flight
-counts), dynamic batching, and answers in parts."""
+counts); the batcher and the part streams it hands requests to are in `server/workers/`."""

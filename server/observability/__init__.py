@@ -1,2 +1,2 @@
-"""Observability: the access log, tracing, Prometheus metrics and gauges, statistics, profiling
-and the log format."""
+"""Observability: the access log, tracing, Prometheus metrics and gauges, statistics and the log
+format (profiling captures are model operations: `server/models/profiling.py`)."""

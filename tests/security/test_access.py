@@ -66,7 +66,7 @@ def test_management_rest_needs_its_key(server: ServerProcess) -> None:
 
 def test_inference_rest_needs_its_key_when_set(server: ServerProcess) -> None:
     for path, body in (
-        ("/predictions/tiny", {"json": X.tolist()}),  # DirectRoute
+        ("/predictions/tiny", {"json": X.tolist()}),  # answered by the HTTP protocol
         ("/v2/models/tiny/infer", {"json": {"inputs": [
             {"name": "x", "shape": [1, 8], "datatype": "FP32", "data": X.tolist()}]}}),
     ):  # fmt: skip
