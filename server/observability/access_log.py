@@ -6,7 +6,7 @@ version that answered, the status, the bytes of the answer, the latency, the req
 client's address, in plain text or as one JSON object per line (`access_log_format`). It goes to
 `access_log`: `off` (the default), `stderr`, `stdout` or a file (appended to). Headers, keys and
 bodies are never written. Lines are gathered in memory and written together, whole lines in one
-`write` each time, every 100 ms or at 64 KiB (nginx's `access_log ... buffer= flush=`): a line
+`write` each time, every 100 ms or at 512 lines (nginx's `access_log ... buffer= flush=`): a line
 costs the event loop its formatting, not a system call; a process killed outright loses at
 most the last 100 ms of lines.
 
@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -158,41 +159,56 @@ def _plain(record: AccessRecord, when: str) -> str:
     )
 
 
+_ESCAPED: dict[str, str] = {}
+"""JSON strings of the texts that repeat from line to line (clients, paths, models), kept up to
+`_MAX_ESCAPED`: most lines escape nothing new."""
+_MAX_ESCAPED = 4096
+
+
+def _string(text: str) -> str:
+    found = _ESCAPED.get(text)
+    if found is None:
+        if len(_ESCAPED) >= _MAX_ESCAPED:
+            _ESCAPED.clear()
+        found = _ESCAPED[text] = _json_string(text)
+    return found
+
+
 def _json(record: AccessRecord, when: str) -> str:
     status = record.status
     request_id = "null" if record.request_id is None else _json_string(record.request_id)
     return (
-        f'{{"time": "{when}", "client": {_json_string(record.client)}, '
-        f'"method": {_json_string(record.method)}, "path": {_json_string(record.path)}, '
-        f'"protocol": {_json_string(record.protocol)}, "model": {_json_string(record.model)}, '
-        f'"version": {_json_string(record.version)}, '
-        f'"status": {status if isinstance(status, int) else _json_string(status)}, '
-        f'"bytes": {record.bytes_sent}, "latency_ms": {round(record.latency_ms, 3)}, '
+        f'{{"time": "{when}", "client": {_string(record.client)}, '
+        f'"method": {_string(record.method)}, "path": {_string(record.path)}, '
+        f'"protocol": {_string(record.protocol)}, "model": {_string(record.model)}, '
+        f'"version": {_string(record.version)}, '
+        f'"status": {status if isinstance(status, int) else _string(status)}, '
+        f'"bytes": {record.bytes_sent}, "latency_ms": {record.latency_ms:.3f}, '
         f'"request_id": {request_id}}}'
     )
 
 
 FLUSH_INTERVAL_S = 0.1
-FLUSH_BYTES = 64 * 1024
+FLUSH_LINES = 512
+"""Lines that wait at most (about 64 KiB of JSON lines) before a write is made at once."""
 
 
 class AccessLog:
     """Where the lines go and how they read; `enabled` False writes nothing. Lines are written
-    by `flush`: from a thread of its own every `FLUSH_INTERVAL_S`, when `FLUSH_BYTES` are
-    waiting, and at `close`."""
+    by `flush`: from a thread of its own every `FLUSH_INTERVAL_S`, when `FLUSH_LINES` are
+    waiting, and at `close`. `write` takes no lock: a deque's appends and pops are atomic."""
 
     def __init__(self, destination: str = "off", fmt: AccessFormat = "plain") -> None:
         self.enabled = destination != "off"
         self._format = _json if fmt == "json" else _plain
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._lock = threading.Lock()
-        """Guards `_pending`."""
+        self._pending: deque[bytes] = deque()
         self._write_lock = threading.Lock()
         """Keeps flushes, and so the lines, in order."""
         self._fd: int | None = None
         self._stream: TextIO | None = None
         self._owns_fd = False
+        self._millisecond = -1
+        self._when = ""
         self._second = -1
         self._second_text = ""
         self._stop = threading.Event()
@@ -214,29 +230,32 @@ class AccessLog:
         self._flusher.start()
 
     def write(self, record: AccessRecord) -> None:
-        now = time.time()
-        second = int(now)
-        if second != self._second:
-            self._second = second
-            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        line = self._format(record, f"{self._second_text}.{int(now % 1 * 1e3):03d}Z") + "\n"
-        data = line.encode("utf-8", "backslashreplace")
-        with self._lock:
-            self._pending.append(data)
-            self._pending_bytes += len(data)
-            full = self._pending_bytes >= FLUSH_BYTES
-        if full:
+        line = self._format(record, self._now()) + "\n"
+        pending = self._pending
+        pending.append(line.encode("utf-8", "backslashreplace"))
+        if len(pending) >= FLUSH_LINES:
             self.flush()
+
+    def _now(self) -> str:
+        """UTC now, ISO 8601 to the millisecond (made once a millisecond)."""
+        millisecond = int(time.time() * 1000)
+        if millisecond != self._millisecond:
+            self._millisecond = millisecond
+            second = millisecond // 1000
+            if second != self._second:
+                self._second = second
+                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._when = f"{self._second_text}.{millisecond % 1000:03d}Z"
+        return self._when
 
     def flush(self) -> None:
         """Write the lines gathered so far, whole, in the order they were written."""
         with self._write_lock:
-            with self._lock:
-                if not self._pending:
-                    return
-                data = b"".join(self._pending)
-                self._pending.clear()
-                self._pending_bytes = 0
+            pending = self._pending
+            count = len(pending)
+            if not count:
+                return
+            data = b"".join([pending.popleft() for _ in range(count)])
             try:
                 self._write(data)
             except OSError as exc:  # a full disk must not stop the server: say so, go on

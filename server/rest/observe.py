@@ -35,6 +35,7 @@ from scriptserve.server.observability.tracing import (
 _REQUEST_ID = b"x-request-id"
 _TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
 _TRACEPARENT = TRACEPARENT.encode()
+_FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto")
 Headers = Sequence[tuple[bytes, bytes]]
 CLIENT_GONE = 499
 """The status an access line records for a request whose client went away before its answer."""
@@ -49,12 +50,18 @@ class Observers:
         self.enabled = access.enabled or tracing.enabled
 
     def open(
-        self, method: str, path: str, headers: Headers, scope: Callable[[], Scope]
+        self,
+        method: str,
+        path: str,
+        headers: Headers,
+        peer: tuple[str, int] | None,
+        scope: Callable[[], Scope],
     ) -> Observation:
-        """The observation of a request that arrived now; `scope` makes its ASGI scope (or what
-        the protocol makes of a request head in that form), called only when something reads
-        more of the request than its method, path and headers."""
-        return Observation(self, method, path, headers, scope)
+        """The observation of a request that arrived now from `peer`; `scope` makes its ASGI
+        scope (or what the protocol makes of a request head in that form, with the client a
+        loopback proxy forwards), called only when something reads more of the request than
+        its method, path, headers and peer."""
+        return Observation(self, method, path, headers, peer, scope)
 
 
 class Observation:
@@ -73,6 +80,7 @@ class Observation:
         method: str,
         path: str,
         headers: Headers,
+        peer: tuple[str, int] | None,
         scope: Callable[[], Scope],
     ) -> None:
         self._observers = observers
@@ -82,17 +90,23 @@ class Observation:
         self.trace: tracing.RequestTrace | None = None
         self._traceparent: bytes | None = None
         given: bytes | None = None
+        forwarded = False
         trace_headers: dict[str, str] = {}
         for name, value in headers:
             if name == _REQUEST_ID:
                 given = value
             elif name in _TRACE_HEADERS:
                 trace_headers[name.decode("latin-1")] = value.decode("latin-1")
+            elif name in _FORWARDED:
+                forwarded = True
         made: Scope | None = None
         if observers.access.enabled:
-            made = scope()
+            if forwarded:
+                made = scope()
+                peer = made.get("client")
+            client = f"{peer[0]}:{peer[1]}" if peer else "-"
             request_id = usable_request_id(given.decode("latin-1")) if given is not None else None
-            self.record = AccessRecord(method, path, _client(made), "rest", request_id)
+            self.record = AccessRecord(method, path, client, "rest", request_id)
         tracer = observers.tracing
         if tracer.enabled:
             left_out = None if trace_headers else tracer.left_out_root()
@@ -167,7 +181,7 @@ class Observed:
             await self.app(scope, receive, send)
             return
         observation = self.observers.open(
-            scope["method"], scope["path"], scope["headers"], lambda: scope
+            scope["method"], scope["path"], scope["headers"], scope.get("client"), lambda: scope
         )
 
         async def observed_send(message: Message) -> None:
@@ -192,9 +206,6 @@ async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
 _PROXY_HEADERS = ProxyHeadersMiddleware(_no_app)  # type: ignore[arg-type]
 
 
-_FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto")
-
-
 def forwarded_scope(scope: dict[str, Any]) -> dict[str, Any]:
     """`scope` with the client's address and scheme from `X-Forwarded-For` /
     `X-Forwarded-Proto` when the peer is a proxy on loopback: uvicorn's own rule, as its
@@ -213,11 +224,6 @@ def forwarded_scope(scope: dict[str, Any]) -> dict[str, Any]:
 
 async def _never() -> None:
     raise RuntimeError("not called")
-
-
-def _client(scope: Scope) -> str:
-    client = scope.get("client")
-    return f"{client[0]}:{client[1]}" if client else "-"
 
 
 def _attributes(scope: Scope, method: str) -> dict[str, str | int]:

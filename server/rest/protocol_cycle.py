@@ -111,7 +111,9 @@ class ProtocolCycle(RequestResponseCycle):
         self.observation: Observation | None = None
         if routes.observers.enabled:
             scope = functools.partial(_scope, protocol, method, path)
-            self.observation = routes.observers.open(method, path, protocol.headers, scope)
+            self.observation = routes.observers.open(
+                method, path, protocol.headers, protocol.client, scope
+            )
 
     @property
     def message_event(self) -> ProtocolCycle:  # type: ignore[override]
