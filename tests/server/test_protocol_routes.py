@@ -25,6 +25,9 @@ from testmodels import SlowMLP, reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: servers started for a few tests each.
+pytestmark = pytest.mark.slow
+
 KEY = "direct-routes-key"
 MAX_BODY = 4096
 AUTH = {"Authorization": f"Bearer {KEY}"}

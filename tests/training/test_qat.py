@@ -101,6 +101,7 @@ def qat_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return config, result, lines.lines
 
 
+@pytest.mark.slow
 def test_qat_recovers_at_least_half_of_what_static_int8_loses(qat_run: Run) -> None:
     _, result, _ = qat_run
     fp32 = result.metrics["test_accuracy"]
@@ -110,6 +111,7 @@ def test_qat_recovers_at_least_half_of_what_static_int8_loses(qat_run: Run) -> N
     assert qat - ptq >= (fp32 - ptq) / 2, (fp32, ptq, qat)
 
 
+@pytest.mark.slow
 def test_qat_archive_runs_int8_kernels_and_records_how_it_was_made(
     qat_run: Run, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -146,6 +148,7 @@ def test_qat_archive_runs_int8_kernels_and_records_how_it_was_made(
     assert info.metrics["eagerTestAccuracy"] == result.metrics["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_loaded_qat_archive_answers_with_its_recorded_accuracy(qat_run: Run) -> None:
     _, result, _ = qat_run
     test = data.load_splits(0).test
@@ -168,6 +171,7 @@ def server(qat_run: Run, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         proc.stop()
 
 
+@pytest.mark.slow
 def test_served_qat_archive_answers_with_its_recorded_accuracy(
     qat_run: Run, server: ServerProcess
 ) -> None:
@@ -190,6 +194,7 @@ def test_served_qat_archive_answers_with_its_recorded_accuracy(
     assert described["parameters"]["quantization"] == "static-int8"
 
 
+@pytest.mark.slow
 def test_qat_run_logs_every_epoch_and_plots_its_curve(qat_run: Run) -> None:
     config, result, lines = qat_run
     fp32_lines = [line for line in lines if line.startswith("epoch ")]
