@@ -82,11 +82,16 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 HEAD_STARTS = ("built_image", "runtime_venv", "zoo")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that the `slow` marks added count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that use a fixture with a head start run last, so that it has the whole run to be
-    made while the other tests go on (the order is stable otherwise). Tests marked `gpu` need
-    CUDA; they are skipped (with the reason) where there is none."""
-    items.sort(key=lambda item: any(name in _fixtures(item) for name in HEAD_STARTS))
+    """Tests that use a fixture with a head start are `slow`, marked so or not (`make check`
+    never waits for one), and run last, so that it has the whole run to be made while the other
+    tests go on (the order is stable otherwise). Tests marked `gpu` need CUDA; they are skipped
+    (with the reason) where there is none."""
+    for item in items:
+        if _uses_head_start(item):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=_uses_head_start)
     import torch
 
     if torch.cuda.is_available():
@@ -98,6 +103,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the head starts that the selected tests (what `-m` and `-k` left) will use; none
+    for `--collect-only`, where no test runs and a child started here would outlive pytest."""
+    if session.config.option.collectonly:
+        return
     used = {name for item in session.items for name in _fixtures(item)}
     if "built_image" in used:
         from tests.docker.buildah import build_default_image, unbuildable_reason
@@ -124,3 +133,7 @@ def zoo() -> ZooStore:
 
 def _fixtures(item: pytest.Item) -> list[str]:
     return list(getattr(item, "fixturenames", ()))
+
+
+def _uses_head_start(item: pytest.Item) -> bool:
+    return any(name in _fixtures(item) for name in HEAD_STARTS)
