@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -77,9 +78,9 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
     return make
 
 
-# Session fixtures whose making takes minutes of child processes: what starts them in the
-# background (headstart.py) once collection shows they will be used.
-HEAD_STARTS = ("built_image", "runtime_venv", "zoo")
+# Fixtures whose making takes half a minute to minutes of child processes: what starts them in
+# the background (headstart.py) once collection shows they will be used.
+HEAD_STARTS = ("built_image", "runtime_venv", "zoo", "trained", "qat_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that the `slow` marks added count
@@ -121,6 +122,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import zoo_archives
 
         headstart.start("zoo", zoo_archives.build_zoo)
+    for fixture, run in (("trained", "digits"), ("qat_run", "qat")):
+        if fixture in used:
+            import trainruns
+
+            headstart.start(fixture, functools.partial(trainruns.run_in_child, run))
 
 
 @pytest.fixture(scope="session")

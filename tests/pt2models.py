@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,9 +83,18 @@ def inductor_cache() -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
-@functools.cache
+_workdir_lock = threading.Lock()
+
+
 def workdir() -> Path:
-    """A directory for this session's packages and archives, removed at exit."""
+    """A directory for this session's packages and archives, removed at exit: one, whichever
+    threads ask first (the head starts ask at once)."""
+    with _workdir_lock:
+        return _workdir()
+
+
+@functools.cache
+def _workdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="scriptserve-pt2-tests-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
