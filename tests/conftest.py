@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import headstart
+import pt2models
 import pytest
 from testmodels import TinyMLP, reference_output, save_onnx, save_torchscript
 
@@ -79,7 +80,8 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 
 
 # Fixtures whose making takes half a minute to minutes of child processes: what starts them in
-# the background (headstart.py) once collection shows they will be used.
+# the background (headstart.py) once collection shows they will be used. The `.pt2` archives of
+# pt2models.py get one too, for the test modules that import the functions that give them.
 HEAD_STARTS = ("built_image", "runtime_venv", "zoo", "trained", "qat_run")
 
 
@@ -127,6 +129,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             import trainruns
 
             headstart.start(fixture, functools.partial(trainruns.run_in_child, run))
+    archives = set().union(*map(_pt2_archives, session.items))
+    if archives:
+        build = functools.partial(pt2models.build_in_child, archives)
+        headstart.start(pt2models.HEAD_START, build)
 
 
 @pytest.fixture(scope="session")
@@ -141,5 +147,9 @@ def _fixtures(item: pytest.Item) -> list[str]:
     return list(getattr(item, "fixturenames", ()))
 
 
+def _pt2_archives(item: pytest.Item) -> set[str]:
+    return pt2models.archives_used_by(getattr(item, "module", None))
+
+
 def _uses_head_start(item: pytest.Item) -> bool:
-    return any(name in _fixtures(item) for name in HEAD_STARTS)
+    return any(name in _fixtures(item) for name in HEAD_STARTS) or bool(_pt2_archives(item))
