@@ -1,5 +1,5 @@
 # One place for the project's commands. The README's two set-up commands are `make demo` and
-# `make test`; .ci/run calls `make lint` and `make test`.
+# `make test`; .ci/run calls `make lint` and `make test`. `make check` is the quick loop.
 PYTHON ?= python3
 DEMO_DIR ?= build/demo
 
@@ -7,7 +7,7 @@ IMAGE ?= scriptserve:cpu
 BASE_IMAGE ?= python:3.11-slim
 BUILDAH ?= buildah
 
-.PHONY: install install-serve demo demo-archive demo-textgen digits test lint bench gen-proto image
+.PHONY: install install-serve demo demo-archive demo-textgen digits test check lint bench gen-proto image
 
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt
 
@@ -52,6 +52,13 @@ digits: install-serve
 
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+# The quick loop (under 3 minutes on 2 cores): lint, then the tests not marked `slow` (image
+# builds, fresh installs, training runs, fuzzing, compiles, servers started for a few tests;
+# see pyproject's markers). `make test` runs them all.
+check: install
+	$(MAKE) lint
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # The CPU image (docker/Dockerfile, see docs/deployment.md) with buildah; the build itself needs
 # no network: the wheels come from build/wheelhouse, made here. `docker build` works the same.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import headstart
+import pt2models
 import pytest
 from testmodels import TinyMLP, reference_output, save_onnx, save_torchscript
 
@@ -77,16 +79,22 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
     return make
 
 
-# Session fixtures whose making takes minutes of child processes: what starts them in the
-# background (headstart.py) once collection shows they will be used.
-HEAD_STARTS = ("built_image", "runtime_venv", "zoo")
+# Fixtures whose making takes half a minute to minutes of child processes: what starts them in
+# the background (headstart.py) once collection shows they will be used. The `.pt2` archives of
+# pt2models.py get one too, for the test modules that import the functions that give them.
+HEAD_STARTS = ("built_image", "runtime_venv", "zoo", "trained", "qat_run")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that the `slow` marks added count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that use a fixture with a head start run last, so that it has the whole run to be
-    made while the other tests go on (the order is stable otherwise). Tests marked `gpu` need
-    CUDA; they are skipped (with the reason) where there is none."""
-    items.sort(key=lambda item: any(name in _fixtures(item) for name in HEAD_STARTS))
+    """Tests that use a fixture with a head start are `slow`, marked so or not (`make check`
+    never waits for one), and run last, so that it has the whole run to be made while the other
+    tests go on (the order is stable otherwise). Tests marked `gpu` need CUDA; they are skipped
+    (with the reason) where there is none."""
+    for item in items:
+        if _uses_head_start(item):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=_uses_head_start)
     import torch
 
     if torch.cuda.is_available():
@@ -98,6 +106,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the head starts that the selected tests (what `-m` and `-k` left) will use; none
+    for `--collect-only`, where no test runs and a child started here would outlive pytest."""
+    if session.config.option.collectonly:
+        return
     used = {name for item in session.items for name in _fixtures(item)}
     if "built_image" in used:
         from tests.docker.buildah import build_default_image, unbuildable_reason
@@ -112,6 +124,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import zoo_archives
 
         headstart.start("zoo", zoo_archives.build_zoo)
+    for fixture, run in (("trained", "digits"), ("qat_run", "qat")):
+        if fixture in used:
+            import trainruns
+
+            headstart.start(fixture, functools.partial(trainruns.run_in_child, run))
+    archives = set().union(*map(_pt2_archives, session.items))
+    if archives:
+        build = functools.partial(pt2models.build_in_child, archives)
+        headstart.start(pt2models.HEAD_START, build)
 
 
 @pytest.fixture(scope="session")
@@ -124,3 +145,11 @@ def zoo() -> ZooStore:
 
 def _fixtures(item: pytest.Item) -> list[str]:
     return list(getattr(item, "fixturenames", ()))
+
+
+def _pt2_archives(item: pytest.Item) -> set[str]:
+    return pt2models.archives_used_by(getattr(item, "module", None))
+
+
+def _uses_head_start(item: pytest.Item) -> bool:
+    return any(name in _fixtures(item) for name in HEAD_STARTS) or bool(_pt2_archives(item))

@@ -2,10 +2,12 @@
 
 Building the container image (debootstrap, a wheelhouse, `buildah bud`) and the packaging
 tests' fresh virtual environment take minutes, almost all of it in child processes waiting on
-disks and downloads. `start` runs such a job on a thread as soon as collection shows a test
-that will need it; the fixture then calls `result`, which waits for the job (or runs it there
-and then when nothing started it). The thread lowers its own scheduling priority before it
-starts any process, and children inherit it: timed tests running meanwhile keep the CPU.
+disks and downloads; the zoo's compiles and the shared training runs (trainruns.py) take
+minutes and half minutes of CPU, in a child process each. `start` runs such a job on a thread
+as soon as collection shows a test that will need it; the fixture then calls `result`, which
+waits for the job (or runs it there and then when nothing started it). The thread lowers its
+own scheduling priority before it starts any process, and children inherit it: timed tests
+running meanwhile keep the CPU.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@
   torchao's PT2E flow), with `tiny_validation()` stored in it for the accuracy guard.
 
 A compile takes 8 to 25 s. Inductor's cache is build/pt2-test-cache (ignored by git), so a
-second session compiles from a warm cache.
+second session compiles from a warm cache. The conftest's head start (tests/conftest.py)
+compiles the archives whose functions the selected test modules import, in one child process at
+low priority (`build_in_child`), and those modules' tests run last; without it, the first call
+compiles here.
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import headstart
 import numpy as np
 import torch
 from testmodels import TinyMLP
@@ -39,6 +46,8 @@ TINY_MAX_BATCH = 64
 TWO_HEADS_MAX_BATCH = 256
 SLOW_ROWS = 256
 """Rows at which a TwoHeads call takes about 0.1 s on one core."""
+HEAD_START = "pt2"
+WORKDIR_VARIABLE = "SCRIPTSERVE_PT2_TESTS_WORKDIR"
 
 
 class TwoHeads(nn.Module):
@@ -82,9 +91,21 @@ def inductor_cache() -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
-@functools.cache
+_workdir_lock = threading.Lock()
+
+
 def workdir() -> Path:
-    """A directory for this session's packages and archives, removed at exit."""
+    """A directory for this session's packages and archives, removed at exit: one, whichever
+    threads ask first (the head starts ask at once)."""
+    with _workdir_lock:
+        return _workdir()
+
+
+@functools.cache
+def _workdir() -> Path:
+    given = os.environ.get(WORKDIR_VARIABLE)  # the parent's, in the child of build_in_child
+    if given:
+        return Path(given)
     path = Path(tempfile.mkdtemp(prefix="scriptserve-pt2-tests-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
@@ -110,15 +131,33 @@ def archive_eager(name: str, model_class: str, sample: object, max_batch: int, *
     return workdir() / "store" / f"{name}.mar"
 
 
+def _make(name: str) -> Path:
+    """The archive `name` (see ARCHIVES), compiled in this process."""
+    tiny = ("TinyMLP", [0.5] * 8, TINY_MAX_BATCH)
+    if name == "tiny_pt2":
+        return archive_eager(name, *tiny)
+    if name == "two_heads":
+        sample = {"a": [0.1] * 256, "b": [0.5, -0.5, 1.0, 2.0]}
+        return archive_eager(name, "TwoHeads", sample, TWO_HEADS_MAX_BATCH)
+    mode = name.removeprefix("tiny_").replace("_", "-")  # tiny_dynamic_int8: dynamic-int8
+    validation = ("--validation-file", str(tiny_validation()))
+    return archive_eager(name, *tiny, "--quantize", mode, *validation)
+
+
+def _archive(name: str) -> Path:
+    """The archive `name`: from the head start's child when it made it, else compiled here."""
+    made = headstart.result(HEAD_START, dict[str, Path])  # nothing started: an empty dict
+    return made[name] if name in made else _make(name)
+
+
 @functools.cache
 def tiny_archive() -> Path:
-    return archive_eager("tiny_pt2", "TinyMLP", [0.5] * 8, TINY_MAX_BATCH)
+    return _archive("tiny_pt2")
 
 
 @functools.cache
 def two_heads_archive() -> Path:
-    sample = {"a": [0.1] * 256, "b": [0.5, -0.5, 1.0, 2.0]}
-    return archive_eager("two_heads", "TwoHeads", sample, TWO_HEADS_MAX_BATCH)
+    return _archive("two_heads")
 
 
 @functools.cache
@@ -135,17 +174,58 @@ def tiny_package() -> Path:
 def tiny_validation() -> Path:
     """TinyMLP validation inputs: normal rows, and rows whose values are all positive (the case
     Inductor's dynamic range computation got wrong; archiver/int8/pt2.py)."""
+    path = workdir() / "tiny_validation.npz"
+    if path.exists():  # written by the parent of build_in_child's child
+        return path
     rng = np.random.default_rng(3)
     x = np.concatenate([rng.standard_normal((200, 8)), rng.uniform(0.2, 1.0, (56, 8))])
-    path = workdir() / "tiny_validation.npz"
-    np.savez(path, x=x.astype(np.float32))
+    partial = path.with_suffix(".partial")
+    with partial.open("wb") as file:
+        np.savez(file, x=x.astype(np.float32))
+    partial.replace(path)  # whole or not there, for a reader in another thread
     return path
 
 
 @functools.cache
 def tiny_int8_archive(mode: str) -> Path:
-    name = "tiny_" + mode.replace("-", "_")
-    validation = ("--validation-file", str(tiny_validation()))
-    return archive_eager(
-        name, "TinyMLP", [0.5] * 8, TINY_MAX_BATCH, "--quantize", mode, *validation
+    return _archive("tiny_" + mode.replace("-", "_"))
+
+
+ARCHIVES: dict[Callable[..., Path], tuple[str, ...]] = {
+    tiny_archive: ("tiny_pt2",),
+    tiny_package: ("tiny_pt2",),
+    two_heads_archive: ("two_heads",),
+    tiny_int8_archive: ("tiny_dynamic_int8", "tiny_static_int8"),
+}
+"""The archives each function gives (tiny_int8_archive: either mode)."""
+
+
+def archives_used_by(module: object) -> set[str]:
+    """The archives a test module needs: those of the functions above that it imported."""
+    imported = {id(value) for value in vars(module).values()} if module is not None else set()
+    return {name for fn, names in ARCHIVES.items() if id(fn) in imported for name in names}
+
+
+def build_in_child(names: Iterable[str]) -> dict[str, Path]:
+    """Compile the archives `names` in one child process (`python tests/pt2models.py`), into
+    this session's workdir: torch and Inductor load once for all of them."""
+    names = sorted(names)
+    tiny_validation()  # written here, before the child reads it
+    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, WORKDIR_VARIABLE: str(workdir())}
+    done = subprocess.run(
+        [sys.executable, __file__, *names],
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling the .pt2 test archives failed:\n{done.stderr[-3000:]}")
+    return {name: workdir() / "store" / f"{name}.mar" for name in names}
+
+
+if __name__ == "__main__":
+    for archive in sys.argv[1:]:
+        _make(archive)

@@ -11,6 +11,9 @@ from testmodels import save_onnx, save_torchscript
 
 from scriptserve.archiver.archive import open_archive
 
+# Slow: model-archiver's CLI in a process per test.
+pytestmark = pytest.mark.slow
+
 
 def model_archiver(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

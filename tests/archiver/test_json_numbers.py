@@ -106,6 +106,7 @@ def _filled(shape: list[int]) -> st.SearchStrategy[Any]:
 _rectangular = _shapes.flatmap(_filled)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(value=st.one_of(_nested, _rectangular), dtype=st.sampled_from(DTYPES))
 def test_the_fast_path_never_answers_differently(value: Any, dtype: np.dtype[Any]) -> None:

@@ -65,6 +65,7 @@ def test_the_reduced_model_keeps_its_signature_and_float32_at_its_edges() -> Non
     torch.testing.assert_close(out, TinyMLP().eval()(x), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_a_bf16_package_computes_in_bfloat16_and_passes_the_guard(tmp_path: Path) -> None:
     torch.save(TinyMLP().state_dict(), tmp_path / "weights.pt")
     source = Pt2Source(tmp_path / "weights.pt", TESTS / "testmodels.py", "TinyMLP")

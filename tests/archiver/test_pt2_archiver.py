@@ -24,6 +24,10 @@ from scriptserve.archiver.model_file import ModelFileError
 from scriptserve.archiver.model_source import load_exported_program
 from scriptserve.archiver.pt2_export import DEFAULT_MAX_BATCH, max_batch_from
 
+# Slow: the tiny model compiled to .pt2 (about 10 s on 2 cores), and model-archiver's CLI in a
+# process per test.
+pytestmark = pytest.mark.slow
+
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=300, check=False)

@@ -30,6 +30,9 @@ from scriptserve.archiver.pt2_export import compile_package, export_model
 from scriptserve.archiver.pt2_package import lacks_vnni
 from scriptserve.archiver.quantize import quantize_pt2
 
+# Slow: int8 packages compiled through torchao's PT2E flow (10 to 20 s each).
+pytestmark = pytest.mark.slow
+
 INT8_LINEAR = "aoti_torch_cpu__qlinear_pointwise_tensor"
 """The fused oneDNN int8 linear of a dynamically quantized package."""
 

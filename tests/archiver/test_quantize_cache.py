@@ -22,6 +22,9 @@ from scriptserve.archiver.archive import sha256_file
 from scriptserve.archiver.quantize import QuantizationError, QuantizeOptions, Tolerance
 from scriptserve.archiver.quantize_cache import LoadRequest, load_request, quantize_cached
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 X = np.random.default_rng(1).standard_normal((16, 8)).astype(np.float32)
 SAMPLE = {"x": X[:1]}
 TOLERANCE = 0.05

@@ -22,6 +22,9 @@ from scriptserve.handlers.base import Context, InferenceRequest, run_batch
 from scriptserve.handlers.image_classifier import IMAGENET_MEAN, IMAGENET_STD
 from scriptserve.handlers.loader import load_handler, read_model_config
 
+# Slow: the zoo's models, built and compiled for the session.
+pytestmark = pytest.mark.slow
+
 
 def served(archive: Path, *requests: InferenceRequest) -> list[object]:
     with open_archive(archive) as reader:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
+import pytest
 from chaos.chaoskit import (
     KILL,
     SLEEP,
@@ -28,6 +29,9 @@ from chaos.chaoskit import (
 )
 from serving import ServerProcess
 from testmodels import reference_output
+
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
 
 BACKOFF_S = 0.3
 MAX_RESTARTS = 3

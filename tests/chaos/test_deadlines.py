@@ -16,6 +16,9 @@ import pytest
 from serving import ServerProcess
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
+
 SLEEP_S = 1.5
 RESPONSE_TIMEOUT_S = 3.0
 

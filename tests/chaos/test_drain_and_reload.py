@@ -10,11 +10,15 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from hardening import archive
 from serving import ServerProcess
 
 from scriptserve.server.models import snapshot
 from scriptserve.server.settings import load_settings
+
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
 
 REFUSED = "refused"
 

@@ -22,6 +22,9 @@ from hardening import archive
 from serving import ServerProcess
 from tritonclient.utils import InferenceServerException
 
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
+
 CHURN_S = 20.0
 """How long the management thread keeps changing `churn`."""
 ANSWER_BOUND_S = 10.0

@@ -15,6 +15,9 @@ from serving import ServerProcess
 from testmodels import reference_output
 from tsprotos import torchserve_stubs
 
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:

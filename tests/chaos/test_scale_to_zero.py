@@ -14,6 +14,9 @@ import httpx
 import pytest
 from serving import ServerProcess
 
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
+
 SLEEP_S = 2.0
 """How long the slow handler runs each request."""
 AT_ONCE_S = 1.5

@@ -33,6 +33,9 @@ from serving import ServerProcess
 from testmodels import reference_output
 from tritonclient.utils import InferenceServerException
 
+# Slow: workers failing and servers draining under load.
+pytestmark = pytest.mark.slow
+
 RESPONSE_TIMEOUT_S = 2.0
 STUCK_TIMEOUT_S = 1.0
 SLACK_S = 3.0

@@ -21,6 +21,9 @@ from tests.docker import test_dashboard as dashboard
 from tests.docker.promql import metric_names
 from tests.docker.test_manifests import DEFAULTS, IMAGE_CONFIG, K8S, ROOT, one
 
+# Slow: a server started for a few tests.
+pytestmark = pytest.mark.slow
+
 promtool = dashboard.promtool  # the fixture (skips where promtool is missing, fails on CI)
 
 DEPLOYMENT = one(K8S["deployment.yaml"], "Deployment")

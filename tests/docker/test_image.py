@@ -27,7 +27,8 @@ from tests.docker.buildah import ROOT, BuiltImage, run
 
 # The first test also builds the image (about 2.5 minutes cold on 2 cores with overlay storage,
 # several times that on vfs): more than the suite's default per-test timeout.
-pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+# Slow: the image build (minutes).
+pytestmark = [pytest.mark.slow, pytest.mark.container, pytest.mark.timeout(1800)]
 
 MAX_IMAGE_BYTES = 1_200_000_000
 ADDRESS_SETTINGS = ("inference_address", "management_address", "metrics_address",

@@ -30,6 +30,9 @@ from scriptserve.archiver.manifest import Manifest, Pt2Info
 from scriptserve.handlers.backends import BackendError, load_backend
 from scriptserve.handlers.backends.pt2 import Pt2Backend
 
+# Slow: the tiny and two-input models compiled to .pt2.
+pytestmark = pytest.mark.slow
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

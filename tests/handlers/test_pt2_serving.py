@@ -28,6 +28,9 @@ from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.handlers.base import Context, InferenceRequest
 from scriptserve.handlers.loader import load_handler
 
+# Slow: its server serves the two-input model, a compile of its own.
+pytestmark = pytest.mark.slow
+
 MODELS = ("tiny_pt2", "tiny_pt2_process", "two_heads", "old_torch")
 
 

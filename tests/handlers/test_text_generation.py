@@ -16,6 +16,9 @@ from scriptserve.handlers.base import Context, InferenceRequest, InferenceRespon
 from scriptserve.handlers.loader import load_handler, read_model_config
 from scriptserve.handlers.text_generator import TextGenerator
 
+# Slow: the zoo's models, built and compiled for the session.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The quick brown fox", "a dog and a cat are happy and the music is good"]
 
 

@@ -26,6 +26,9 @@ from scriptserve.handlers.loader import load_handler, read_model_config
 from scriptserve.handlers.text_classifier import TextClassifier
 from scriptserve.handlers.text_embedder import TextEmbedder
 
+# Slow: the zoo's models, built and compiled for the session.
+pytestmark = pytest.mark.slow
+
 Loaded = tuple[BaseHandler, Context]
 TEXTS = [
     "hello world",

@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
+
+# Slow: the demo models trained and compiled as `make demo` does.
+pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

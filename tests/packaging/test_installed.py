@@ -28,7 +28,8 @@ from testmodels import reference_output, save_torchscript
 import scriptserve
 
 # The first test to use the venv waits for its install (about a minute with pip's cache warm).
-pytestmark = pytest.mark.timeout(900)
+# Slow: a fresh virtual environment installed from the wheel.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROW = [0.5, -1.0, 0.25, 2.0, 0.0, 1.5, -0.5, 0.75]
 

@@ -19,6 +19,9 @@ from testmodels import reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: each test starts `scriptserve` in a process of its own.
+pytestmark = pytest.mark.slow
+
 MARKER = "USER-MODULE-IMPORTED"
 
 # The archive's handler computes its answer with the archive's own `server` module.

@@ -11,6 +11,9 @@ from testmodels import save_torchscript
 import scriptserve
 from scriptserve.archiver.archive import open_archive
 
+# Slow: the CLIs run in a process per test.
+pytestmark = pytest.mark.slow
+
 
 def run(command: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)

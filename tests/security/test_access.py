@@ -23,6 +23,9 @@ from serving import ServerProcess, free_port
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tsprotos import torchserve_stubs
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 X = np.linspace(-1, 1, 8, dtype=np.float32)
 INFERENCE_KEY = secrets.token_urlsafe(24)
 

@@ -15,6 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 ROUNDS = 20
 SOAK_ROUNDS = 200
 RSS_GROWTH_BOUND = 30 * 2**20

@@ -14,6 +14,9 @@ import pytest
 from hardening import LEAK
 from serving import ServerProcess
 
+# Slow: fuzzing.
+pytestmark = pytest.mark.slow
+
 MAX_EXAMPLES = "15"
 
 

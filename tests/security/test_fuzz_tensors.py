@@ -28,6 +28,9 @@ from serving import ServerProcess
 from testmodels import reference_output
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+# Slow: fuzzing.
+pytestmark = pytest.mark.slow
+
 MODELS = ("tiny", "tiny_proc")
 DATATYPES = ["FP32", "FP64", "FP16", "BF16", "INT8", "INT64", "UINT8", "BOOL", "BYTES", "FP99", ""]
 EXTREME_DIMS = [0, 1, 2, 7, 8, 2**31 - 1, 2**31, 2**32, 2**62, 2**63 - 1]

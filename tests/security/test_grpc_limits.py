@@ -20,6 +20,9 @@ from testmodels import reference_output
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tsprotos import torchserve_stubs
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 OIP = "/inference.GRPCInferenceService"
 TS = "/org.pytorch.serve.grpc.inference.InferenceAPIsService"
 MALFORMED = b"\x0a\x10tiny"

@@ -15,6 +15,9 @@ from hardening import assert_no_leak
 from serving import ServerProcess
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 LIMIT = 65536
 
 

@@ -26,6 +26,9 @@ from scriptserve.server.observability.log_format import (
     escape_controls,
 )
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 FORGED = "FORGED 2026-01-01 00:00:00,000 CRITICAL scriptserve.app: forged line"
 RAISE, KILL = 4567.0, 3456.0
 

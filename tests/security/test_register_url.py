@@ -16,6 +16,9 @@ import pytest
 from hardening import archive, assert_no_leak
 from serving import ServerProcess
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 
 class Listener:
     """A loopback HTTP server that serves files by path and counts its connections."""

@@ -22,6 +22,9 @@ import pytest
 from serving import ServerProcess
 from testmodels import reference_output
 
+# Slow: servers drained under load.
+pytestmark = pytest.mark.slow
+
 CLIENTS = 32
 WARM_ANSWERS = 10
 """Answers every client has had before SIGTERM: all 32 are hammering by then."""

@@ -19,6 +19,9 @@ import pytest
 from serving import ServerProcess
 from testmodels import reference_output
 
+# Slow: clients that wait out the server's timeouts.
+pytestmark = pytest.mark.slow
+
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
 MAX_HEADER_BYTES = 16384

@@ -22,6 +22,9 @@ from testmodels import save_torchscript
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.server.observability.gauges import GpuCollector, process_usage
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 SLOW_HANDLER = """
 import time
 

@@ -22,6 +22,9 @@ from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.handlers.metrics import HandlerMetrics, metric_name
 from scriptserve.server.observability.handler_metrics import read_metrics_config
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 NATIVE = """
 from scriptserve.handlers.tensor import TensorHandler
 

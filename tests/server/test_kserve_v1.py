@@ -19,6 +19,9 @@ from testmodels import SlowMLP, reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 INFERENCE_KEY = "v1-inference-key-for-tests"
 AUTH = {"Authorization": f"Bearer {INFERENCE_KEY}"}
 QUEUE_SIZE = 8

@@ -18,6 +18,9 @@ from testmodels import SlowMLP, reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: servers started, drained and stopped for a few tests.
+pytestmark = pytest.mark.slow
+
 BROKEN_HANDLER = """\
 raise RuntimeError("broken on purpose")
 """

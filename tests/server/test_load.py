@@ -16,6 +16,9 @@ from testmodels import SlowMLP, reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: concurrent load on servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 CLIENTS = 64
 MAX_BATCH = 4
 

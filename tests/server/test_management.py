@@ -18,6 +18,9 @@ from testmodels import TinyMLP, reference_output, save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: servers started for a few tests each.
+pytestmark = pytest.mark.slow
+
 X = np.linspace(-1, 1, 8, dtype=np.float32)
 
 

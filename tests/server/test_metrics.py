@@ -7,8 +7,12 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import ServerProcess
+
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
 
 X = np.linspace(-1, 1, 8, dtype=np.float32)
 OIP = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": X.tolist()}]}

@@ -18,6 +18,9 @@ import httpx
 import pytest
 from serving import ServerProcess, free_port
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 SECRET = "s3cr3t-never-logged-0b5e"
 ROW = [0.5] * 8
 

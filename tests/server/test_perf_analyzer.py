@@ -25,6 +25,9 @@ from testmodels import save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: perf_analyzer runs against a server.
+pytestmark = pytest.mark.slow
+
 SERVER_LINE = re.compile(
     r"Avg request latency: (\d+) usec \(overhead (\d+) usec \+ queue (\d+) usec \+ "
     r"compute input (\d+) usec \+ compute infer (\d+) usec \+ compute output (\d+) usec\)"

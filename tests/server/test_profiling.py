@@ -16,6 +16,9 @@ import pytest
 from serving import ServerProcess
 from tsprotos import torchserve_stubs
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 ROW = [0.5] * 8
 TORCHSCRIPT_OPS = {"aten::linear", "aten::addmm", "aten::relu"}
 

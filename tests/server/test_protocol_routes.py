@@ -28,6 +28,9 @@ from testmodels import SlowMLP, reference_output, save_torchscript
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.server.rest.protocol_routes import inference_route
 
+# Slow: servers started for a few tests each.
+pytestmark = pytest.mark.slow
+
 KEY = "direct-routes-key"
 MAX_BODY = 4096
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -26,6 +26,9 @@ from scriptserve.archiver.archive import sha256_file
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.archiver.quantize import ValidationSamples
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 0.05
 """int8 outputs stay within this of fp32 on X."""
 LOOSE = {"quantizeMinTop1Agreement": 0.9, "quantizeMaxAccuracyDrop": 0.1}

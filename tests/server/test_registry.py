@@ -30,7 +30,8 @@ from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.settings import load_settings
 from scriptserve.server.workers.batching import Job
 
-pytestmark = pytest.mark.anyio
+# Slow: workers started, stuck and replaced.
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
 ANSWER_S = 30.0
 SLEEP = 1234.0

@@ -14,6 +14,9 @@ from conftest import ArchiveFactory
 from benchmarks.rollout.haproxy import NO_HAPROXY, haproxy_path
 from benchmarks.rollout.scenario import rollout
 
+# Slow: a rolling restart of two replicas under load.
+pytestmark = pytest.mark.slow
+
 
 def test_rolling_restart_answers_every_request(
     torchscript_file: Path, make_archive: ArchiveFactory, sample_file: Path, tmp_path: Path

@@ -113,6 +113,7 @@ def test_log_level_is_one_of_loggings_names_in_any_case() -> None:
     assert "'debug', 'info', 'warning' or 'error'" in str(info.value)
 
 
+@pytest.mark.slow
 def test_serve_with_bad_settings_exits_1_with_one_line(tmp_path: Path) -> None:
     cases = [
         (["--max-batch-size", "0"], "max_batch_size"),

@@ -2,8 +2,12 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import pytest
 from serving import ServerProcess
 from testmodels import reference_output
+
+# Slow: a server started for one test.
+pytestmark = pytest.mark.slow
 
 
 def test_predictions_answer_the_models_output(server: ServerProcess) -> None:

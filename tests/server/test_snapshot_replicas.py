@@ -18,6 +18,9 @@ from serving import ServerProcess
 from scriptserve.server.cli import build_parser, settings_from_args
 from scriptserve.server.settings import SettingsError, load_settings
 
+# Slow: replicas started and restarted for each test.
+pytestmark = pytest.mark.slow
+
 REGISTER_TIMEOUT_S = 60.0
 
 

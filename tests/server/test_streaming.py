@@ -18,6 +18,9 @@ from serving import ServerProcess
 from streamstore import MAX_UNREAD, SEND_TIMEOUT_S
 from testmodels import TinyLM, greedy_text
 
+# Slow: two small language models trained for its server, and clients that wait out its timeouts.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(streaming_server: ServerProcess) -> ServerProcess:

@@ -22,6 +22,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.server.observability.tracing import Tracing
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 ROW = [0.5] * 8
 # Spans leave the server every 50 ms instead of the SDK's 5 s (a standard OTEL_* variable).
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}

@@ -21,6 +21,9 @@ from torch import nn
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: six servers started one after another for one measurement.
+pytestmark = pytest.mark.slow
+
 SERVERS = 3
 """Fresh servers per measurement: each gives one first request, a single sample at the mercy of
 a busy machine's scheduler; the median of three is not."""

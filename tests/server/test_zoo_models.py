@@ -24,6 +24,9 @@ from scriptserve.archiver.archive import open_archive
 from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse, run_batch
 from scriptserve.handlers.loader import load_handler, read_model_config
 
+# Slow: the zoo's models, built and compiled for the session.
+pytestmark = pytest.mark.slow
+
 TEXTS = ["the quick brown fox", "a dog and a cat are happy", "music"]
 
 

@@ -195,6 +195,7 @@ def test_a_v1_image_reaches_the_torchserve_handler_as_bytes(v1_server: ServerPro
         assert prediction == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_v2_tensors_reach_a_torchserve_handler_as_kservev2_rows(tmp_path: Path) -> None:
     root = tmp_path / "mnt-models"
     (root / "src").mkdir(parents=True)
@@ -259,6 +260,7 @@ def test_unusable_values_name_their_key(line: str, says: str) -> None:
         map_properties(parse_properties(line + "\n"))
 
 
+@pytest.mark.slow
 def test_the_kserve_runtime_manifest_serves_the_layout(
     v1_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

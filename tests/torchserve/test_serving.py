@@ -16,6 +16,9 @@ from testmodels import reference_output
 from torchserve.tsarchives import instance
 from tsprotos import torchserve_stubs
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(ts_store: Path) -> Iterator[ServerProcess]:

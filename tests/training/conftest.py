@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import headstart
 import pytest
-from pt2models import inductor_cache
+import trainruns
+from trainruns import SHORT_RUN
 
-from scriptserve.training.export import FORMATS
-from scriptserve.training.run import TrainConfig, TrainResult, train
-
-# Six epochs on the whole training split: ~97 % test accuracy, a few seconds on 2 cores.
-SHORT_RUN = TrainConfig(model="lenet", epochs=6, seed=0, progress=False)
+from scriptserve.training.run import TrainConfig, TrainResult
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, TrainResult]:
-    out = tmp_path_factory.mktemp("trained") / "store"
-    config = TrainConfig(**{**SHORT_RUN.__dict__, "out": out, "formats": FORMATS})  # fmt: skip
-    with inductor_cache():  # the .pt2 packages compile with the tests' Inductor cache
-        return config, train(config)
+def trained() -> tuple[TrainConfig, TrainResult]:
+    """The digits run in every export format (tests/trainruns.py), begun in the background at
+    collection (tests/conftest.py)."""
+    config, result, _ = headstart.result(
+        "trained", functools.partial(trainruns.run_in_child, "digits")
+    )
+    return config, result
 
 
 SmallRun = Callable[..., TrainConfig]

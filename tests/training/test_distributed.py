@@ -8,11 +8,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 from serving import free_port
 
 from scriptserve.archiver.archive import verify_archive
 from scriptserve.training.checkpoint import load_checkpoint
+
+# Slow: training runs under torchrun.
+pytestmark = pytest.mark.slow
 
 QUICK = ["--epochs", "2", "--train-limit", "300", "--no-progress"]
 

@@ -46,6 +46,7 @@ RUNNERS = {"pt2": run_pt2, "torchscript": run_torchscript, "traced": run_torchsc
            "onnx": run_onnx}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "archive", "atol"),
     [("pt2", "digits.mar", PT2_ATOL), ("torchscript", "digits-torchscript.mar", TORCHSCRIPT_ATOL),
@@ -71,6 +72,7 @@ def test_exported_model_matches_eager(
     assert result.metrics["exports"][fmt]["testAccuracy"] == pytest.approx(accuracy)
 
 
+@pytest.mark.slow
 def test_archives_verify_and_record_signature_samples_and_accuracy(trained: Trained) -> None:
     _, result = trained
     assert sorted(p.name for p in result.archives) == [
@@ -126,6 +128,7 @@ def test_onnx_check_needs_another_batch_size(tmp_path: Path) -> None:
         export_onnx(Net().eval(), tmp_path / "m.onnx", example, torch.zeros(4, 1, 32, 32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("archive", "kernels"),
     [("digits-int8.mar", {"aoti_torch_cpu__qlinear_pointwise_tensor": 3}),

@@ -118,6 +118,7 @@ def max_logit_difference(a: Run, b: Run, inputs: np.ndarray) -> float:
     return float(np.abs(a.logits(inputs) - b.logits(inputs)).max())
 
 
+@pytest.mark.slow
 def test_fsdp_ddp_and_one_process_end_within_tolerance(
     runs: dict[str, Run], test_inputs: np.ndarray
 ) -> None:
@@ -135,6 +136,7 @@ def test_fsdp_ddp_and_one_process_end_within_tolerance(
     assert fsdp.metrics["strategy"] == "fsdp" and fsdp.metrics["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_each_fsdp_rank_holds_half_of_the_parameters(runs: dict[str, Run]) -> None:
     found = SHARE_LINE.finditer(runs["fsdp"].log)
     shares = {int(m[1]): (m[2], int(m[3]), int(m[4])) for m in found}
@@ -151,6 +153,7 @@ def test_each_fsdp_rank_holds_half_of_the_parameters(runs: dict[str, Run]) -> No
     assert "[rank 1]: epoch 3/3" in runs["fsdp"].log  # both ranks trained
 
 
+@pytest.mark.slow
 def test_archive_is_the_same_whichever_strategy_trained_it(runs: dict[str, Run]) -> None:
     def contents(run: Run) -> tuple[list[str], dict[str, torch.Tensor], object]:
         with open_archive(run.archive) as reader:
@@ -171,6 +174,7 @@ def test_archive_is_the_same_whichever_strategy_trained_it(runs: dict[str, Run])
             torch.testing.assert_close(other_weights[key], value, rtol=0, atol=WEIGHT_ATOL)
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_resumes_on_one_process_then_on_two_ranks(
     tmp_path: Path, runs: dict[str, Run], test_inputs: np.ndarray
 ) -> None:
@@ -192,6 +196,7 @@ def test_fsdp_checkpoint_resumes_on_one_process_then_on_two_ranks(
     assert max_logit_difference(two, runs["one process"], test_inputs) <= LOGIT_ATOL
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_fsdp_from_its_sharded_checkpoint(
     tmp_path: Path, runs: dict[str, Run], test_inputs: np.ndarray
 ) -> None:
@@ -269,6 +274,7 @@ def test_sharded_checkpoint_with_arbitrary_pickles_is_refused(tmp_path: Path) ->
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_of_the_other_strategy_is_not_resumed(tmp_path: Path) -> None:
     base = TrainConfig(model="mlp", epochs=1, train_limit=64, formats=(), progress=False,
                        out=tmp_path)  # fmt: skip

@@ -2,13 +2,14 @@
 least half of what post-training int8 loses, and its archive runs int8 kernels, records how it
 was made, and is served with the accuracy it records.
 
-The model, `InkMLP`, reads the 1,024 normalized pixels (-0.94 to 2.14) and, in the same tensor,
-the image's total ink (the sum of its [0, 1] intensities, 230 to 400 on the test split). One
-uint8 scale per tensor has to cover both, so its step (1.44 after calibration) is half the
-pixels' whole spread: static int8 leaves them three levels. The fp32 model was trained on
-smooth pixels and loses several points; QAT trains with that rounding in the forward pass and
-learns weights that classify the coarse pixels. docs/training.md gives the figures over eight
-seeds; this run is seed 5, whose PTQ loss is the largest, so the assertions have room.
+The model, `InkMLP` (tests/trainruns.py), reads the 1,024 normalized pixels (-0.94 to 2.14)
+and, in the same tensor, the image's total ink (the sum of its [0, 1] intensities, 230 to 400 on
+the test split). One uint8 scale per tensor has to cover both, so its step (1.44 after
+calibration) is half the pixels' whole spread: static int8 leaves them three levels. The fp32
+model was trained on smooth pixels and loses several points; QAT trains with that rounding in
+the forward pass and learns weights that classify the coarse pixels. docs/training.md gives the
+figures over eight seeds; this run is seed 5, whose PTQ loss is the largest, so the assertions
+have room.
 
 One run makes three `.pt2` packages: the fp32 one the int8 report is measured against, the
 static PTQ baseline (measured, not kept) and the QAT int8 one.
@@ -16,91 +17,38 @@ static PTQ baseline (measured, not kept) and the QAT int8 one.
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import shutil
 from collections.abc import Iterator
 
+import headstart
 import httpx
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from pt2models import inductor_cache
+import trainruns
 from serving import ServerProcess
-from torch import nn
+from trainruns import FP32_EPOCHS, QAT_EPOCHS, Run
 
 from scriptserve.archiver.archive import open_archive, verify_archive
 from scriptserve.archiver.int8.pt2 import check_kernels
 from scriptserve.training import data
 from scriptserve.training.cli import main as train_main
 from scriptserve.training.export import run_pt2
-from scriptserve.training.models import MODELS
 from scriptserve.training.qat import QUANTIZER_CONFIG
-from scriptserve.training.run import TrainConfig, TrainResult, train
 
-FP32_EPOCHS = 20
-QAT_EPOCHS = 3
 PTQ_MIN_LOSS = 0.02
 """Static int8 must lose at least this much test accuracy (6 of the 270 test images)."""
 
 
-class InkMLP(nn.Module):
-    """Pixels and total ink side by side in one tensor, then an MLP (1,025 -> 256 -> 128 -> 10)."""
-
-    def __init__(self, num_classes: int = 10, hidden: int = 256) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(32 * 32 + 1, hidden)
-        self.fc2 = nn.Linear(hidden, hidden // 2)
-        self.fc3 = nn.Linear(hidden // 2, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pixels = torch.flatten(x, 1)
-        ink = (pixels * data.STD + data.MEAN).sum(1, keepdim=True)
-        h = F.relu(self.fc1(torch.cat([pixels, ink], 1)))
-        h = F.relu(self.fc2(h))
-        out: torch.Tensor = self.fc3(h)
-        return out
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-Run = tuple[TrainConfig, TrainResult, list[str]]
-
-
 @pytest.fixture(scope="module")
-def qat_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    config = TrainConfig(
-        model="ink-mlp", name="ink", epochs=FP32_EPOCHS, optimizer="adamw", lr=0.001, seed=5,
-        formats=("pt2-int8",), qat=True, qat_epochs=QAT_EPOCHS,
-        out=tmp_path_factory.mktemp("qat") / "store", progress=False,
-    )  # fmt: skip
-    lines = Lines()
-    logger = logging.getLogger("training")
-    level, threads = logger.level, torch.get_num_threads()
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
-    # One thread, as the figures in docs/training.md were measured, whatever ran before
-    # (running a .pt2 package sets its calling thread's OpenMP threads).
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as patch, inductor_cache():
-            patch.setitem(MODELS, "ink-mlp", InkMLP)  # registered for this run only
-            result = train(config)
-    finally:
-        torch.set_num_threads(threads)
-        logger.removeHandler(lines)
-        logger.setLevel(level)
-    return config, result, lines.lines
+def qat_run() -> Run:
+    """The QAT run of `InkMLP` (tests/trainruns.py), begun in the background at collection
+    (tests/conftest.py)."""
+    return headstart.result("qat_run", functools.partial(trainruns.run_in_child, "qat"))
 
 
+@pytest.mark.slow
 def test_qat_recovers_at_least_half_of_what_static_int8_loses(qat_run: Run) -> None:
     _, result, _ = qat_run
     fp32 = result.metrics["test_accuracy"]
@@ -110,6 +58,7 @@ def test_qat_recovers_at_least_half_of_what_static_int8_loses(qat_run: Run) -> N
     assert qat - ptq >= (fp32 - ptq) / 2, (fp32, ptq, qat)
 
 
+@pytest.mark.slow
 def test_qat_archive_runs_int8_kernels_and_records_how_it_was_made(
     qat_run: Run, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -146,6 +95,7 @@ def test_qat_archive_runs_int8_kernels_and_records_how_it_was_made(
     assert info.metrics["eagerTestAccuracy"] == result.metrics["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_loaded_qat_archive_answers_with_its_recorded_accuracy(qat_run: Run) -> None:
     _, result, _ = qat_run
     test = data.load_splits(0).test
@@ -168,6 +118,7 @@ def server(qat_run: Run, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         proc.stop()
 
 
+@pytest.mark.slow
 def test_served_qat_archive_answers_with_its_recorded_accuracy(
     qat_run: Run, server: ServerProcess
 ) -> None:
@@ -190,6 +141,7 @@ def test_served_qat_archive_answers_with_its_recorded_accuracy(
     assert described["parameters"]["quantization"] == "static-int8"
 
 
+@pytest.mark.slow
 def test_qat_run_logs_every_epoch_and_plots_its_curve(qat_run: Run) -> None:
     config, result, lines = qat_run
     fp32_lines = [line for line in lines if line.startswith("epoch ")]

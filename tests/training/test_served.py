@@ -20,6 +20,9 @@ from scriptserve.archiver.archive import open_archive
 from scriptserve.training import data
 from scriptserve.training.run import TrainConfig, TrainResult
 
+# Slow: a training run's archives served.
+pytestmark = pytest.mark.slow
+
 Trained = tuple[TrainConfig, TrainResult]
 REPO = Path(__file__).resolve().parents[2]
 

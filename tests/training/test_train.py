@@ -19,6 +19,9 @@ from scriptserve.training.checkpoint import load_checkpoint, rng_state, set_rng_
 from scriptserve.training.models import MLP, Net, build_model
 from scriptserve.training.run import TrainConfig, TrainResult, train, weights_digest
 
+# Slow: training runs, and the training CLI in a process.
+pytestmark = pytest.mark.slow
+
 SmallRun = Callable[..., TrainConfig]
 
 

@@ -20,6 +20,9 @@ from tritonclient.utils import InferenceServerException
 
 from .conftest import MAX_BATCH, MAX_MESSAGE_BYTES, SLEEP_S, metric, pending_requests
 
+# Slow: servers started for a few tests each.
+pytestmark = pytest.mark.slow
+
 X = (np.arange(24, dtype=np.float32).reshape(3, 8) - 12) / 10
 CANCELLED_CALLS = 1000
 

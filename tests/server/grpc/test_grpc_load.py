@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 import tritonclient.grpc.aio as triton
 from serving import ServerProcess
 from testmodels import reference_output
 
 from .conftest import MAX_BATCH, metric
+
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
 
 CLIENTS = 64
 

@@ -8,6 +8,7 @@ import queue
 import time
 
 import numpy as np
+import pytest
 import tritonclient.grpc as triton
 from serving import ServerProcess
 from testmodels import reference_output
@@ -15,6 +16,9 @@ from tritonclient.grpc import InferResult
 from tritonclient.utils import InferenceServerException
 
 from .conftest import metric, pending_requests
+
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
 
 Answer = tuple[InferResult | None, InferenceServerException | None]
 

@@ -23,6 +23,9 @@ from testmodels import TinyLM, greedy_text
 from tritonclient.grpc import InferResult
 from tritonclient.utils import InferenceServerException
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 Answer = tuple[InferResult | None, InferenceServerException | None]
 
 

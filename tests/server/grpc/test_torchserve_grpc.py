@@ -17,6 +17,9 @@ from google.protobuf import empty_pb2
 from serving import ServerProcess
 from testmodels import reference_output
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 X = (np.arange(24, dtype=np.float32).reshape(3, 8) - 12) / 10
 COPY = "tiny_grpc"
 

@@ -12,6 +12,9 @@ import pytest
 from hardening import archive, assert_no_leak
 from serving import ServerProcess
 
+# Slow: servers started for a few tests.
+pytestmark = pytest.mark.slow
+
 SECRET = "/opt/models/secret-weights.pt"
 
 HANDLER = f"""

@@ -25,7 +25,8 @@ from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.workers import RestartPolicy, build_pool
 from scriptserve.server.workers.batching import DynamicBatcher, Job
 
-pytestmark = pytest.mark.anyio
+# Slow: worker processes started, killed and hung.
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
 START_S = 120.0
 """A new worker process imports torch and loads the model: seconds, more on a busy machine."""

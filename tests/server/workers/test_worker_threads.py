@@ -16,6 +16,9 @@ from testmodels import save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
+# Slow: a server started for one test.
+pytestmark = pytest.mark.slow
+
 # What OpenMP will use for this thread's next parallel region (libgomp, loaded by torch).
 OMP_REPORTER = """
 import ctypes
