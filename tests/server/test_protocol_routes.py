@@ -4,8 +4,9 @@ their one implementation whatever is switched on.
 Two real servers of the same models, both with an inference key and a body limit: one as it
 runs by default, one with the access log and tracing on (every request sampled, exported to a
 real OTLP receiver). Each request gets the same answer from both, and the observed one writes
-an access line and a span for each (KServe v1's route too, which FastAPI answers); what the protocol does on a connection (withdrawing a
-request whose client left, pipelining, `Expect: 100-continue`) is checked on raw sockets.
+an access line and a span for each (KServe v1's route too, which FastAPI answers); what the
+protocol does on a connection (withdrawing a request whose client left, pipelining,
+`Expect: 100-continue`) is checked on raw sockets.
 """
 
 from __future__ import annotations
