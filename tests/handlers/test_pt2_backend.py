@@ -228,8 +228,10 @@ def calls_at_once(backend: Pt2Backend, threads: int, calls: int) -> Calls:
         if all(inside):
             try:
                 states = [thread_state(tid) for tid in tids]
-            except FileNotFoundError:
-                continue  # a thread ended its last call and exited between the check and the read
+            except (FileNotFoundError, ProcessLookupError):
+                # A thread ended its last call and exited between the check and the read: gone
+                # before the open (ENOENT) or between the open and the read (ESRCH).
+                continue
             if all(inside):
                 seen.all_inside += 1
                 seen.all_runnable += all(state == "R" for state in states)
