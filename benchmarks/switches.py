@@ -57,8 +57,11 @@ def traced(endpoint: str, ratio: float) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.switches", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.switches",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--before", help="python of another tree, served with both off")
     p.add_argument("--all", action="store_true", help="also tracing with every trace sampled")
     p.add_argument("--rounds", type=int, default=6)
@@ -72,16 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = f"http://127.0.0.1:{port}"
     sink = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.otlp_sink", "--port", str(port)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert sink.stdout is not None
     sink.stdout.readline()  # listening
     try:
         with tempfile.TemporaryDirectory(prefix="scriptserve-switches-") as tmp:
             store = Path(tmp) / "store"
             model = models.build("mlp", Path(tmp) / "work", store)
-            access = {"SCRIPTSERVE_ACCESS_LOG": str(Path(tmp) / "access.log"),
-                      "SCRIPTSERVE_ACCESS_LOG_FORMAT": "json"}  # fmt: skip
+            access = {
+                "SCRIPTSERVE_ACCESS_LOG": str(Path(tmp) / "access.log"),
+                "SCRIPTSERVE_ACCESS_LOG_FORMAT": "json",
+            }
             configurations = {
                 "off": {},
                 "access-log": access,
@@ -122,17 +128,26 @@ def main(argv: list[str] | None = None) -> int:
             f"(median {statistics.median(values):.3f})"
         )
     print(f"OTLP receiver: {received}")
-    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    host = {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
     print(report.host_line(host))
     out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
-        "benchmark": "switches", "configurations": list(runs),
+        "benchmark": "switches",
+        "configurations": list(runs),
         "started": started.isoformat(timespec="seconds"),
-        "before": args.before, "seconds": args.seconds, "host": host, "runs": runs,
-        "medians": medians, "ratios_to_off": ratios, "otlp_receiver": received,
-    }  # fmt: skip
+        "before": args.before,
+        "seconds": args.seconds,
+        "host": host,
+        "runs": runs,
+        "medians": medians,
+        "ratios_to_off": ratios,
+        "otlp_receiver": received,
+    }
     out.write_text(report.compact_json(document))
     print(f"results: {out}")
     return 0

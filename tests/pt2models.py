@@ -94,6 +94,23 @@ def inductor_cache() -> Iterator[None]:
 _workdir_lock = threading.Lock()
 
 
+def run_child(script: str, args: Iterable[str], what: str, env: dict[str, str]) -> None:
+    """Run `python script args` from the repository root, with tests/ importable and `env`
+    added to this process's environment; RuntimeError naming `what`, with the end of the
+    child's stderr, when it fails."""
+    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=TESTS.parent,
+        env={**os.environ, "PYTHONPATH": path, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+
+
 def workdir() -> Path:
     """A directory for this session's packages and archives, removed at exit: one, whichever
     threads ask first (the head starts ask at once)."""
@@ -121,11 +138,25 @@ def archive_eager(name: str, model_class: str, sample: object, max_batch: int, *
     (root / "sample.json").write_text(json.dumps(sample))
     source = TESTS / ("testmodels.py" if model_class == "TinyMLP" else "pt2models.py")
     argv = [
-        "--model-name", name, "--version", "1.0", "--export-pt2",
-        "--model-file", str(source), "--model-class", model_class,
-        "--serialized-file", str(root / "weights.pt"), "--sample-input", str(root / "sample.json"),
-        "--max-batch", str(max_batch), "--export-path", str(workdir() / "store"), *extra,
-    ]  # fmt: skip
+        "--model-name",
+        name,
+        "--version",
+        "1.0",
+        "--export-pt2",
+        "--model-file",
+        str(source),
+        "--model-class",
+        model_class,
+        "--serialized-file",
+        str(root / "weights.pt"),
+        "--sample-input",
+        str(root / "sample.json"),
+        "--max-batch",
+        str(max_batch),
+        "--export-path",
+        str(workdir() / "store"),
+        *extra,
+    ]
     with inductor_cache(), contextlib.redirect_stdout(io.StringIO()):
         assert model_archiver_main(argv) == 0
     return workdir() / "store" / f"{name}.mar"
@@ -211,18 +242,9 @@ def build_in_child(names: Iterable[str]) -> dict[str, Path]:
     this session's workdir: torch and Inductor load once for all of them."""
     names = sorted(names)
     tiny_validation()  # written here, before the child reads it
-    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, WORKDIR_VARIABLE: str(workdir())}
-    done = subprocess.run(
-        [sys.executable, __file__, *names],
-        cwd=TESTS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    run_child(
+        __file__, names, "compiling the .pt2 test archives", {WORKDIR_VARIABLE: str(workdir())}
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling the .pt2 test archives failed:\n{done.stderr[-3000:]}")
     return {name: workdir() / "store" / f"{name}.mar" for name in names}
 
 

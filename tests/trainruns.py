@@ -14,16 +14,15 @@ last. The child writes the run's config, result and log lines to a pickle the pa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pt2models import INDUCTOR_CACHE, TESTS, inductor_cache, workdir
+from pt2models import INDUCTOR_CACHE, inductor_cache, run_child, workdir
 from torch import nn
 
 from scriptserve.training import data
@@ -69,13 +68,21 @@ class Lines(logging.Handler):
 
 def config_of(kind: str, out: Path) -> TrainConfig:
     if kind == "digits":
-        return TrainConfig(**{**SHORT_RUN.__dict__, "out": out, "formats": FORMATS})  # fmt: skip
+        return dataclasses.replace(SHORT_RUN, out=out, formats=FORMATS)
     if kind == "qat":
         return TrainConfig(
-            model="ink-mlp", name="ink", epochs=FP32_EPOCHS, optimizer="adamw", lr=0.001,
-            seed=5, formats=("pt2-int8",), qat=True, qat_epochs=QAT_EPOCHS, out=out,
+            model="ink-mlp",
+            name="ink",
+            epochs=FP32_EPOCHS,
+            optimizer="adamw",
+            lr=0.001,
+            seed=5,
+            formats=("pt2-int8",),
+            qat=True,
+            qat_epochs=QAT_EPOCHS,
+            out=out,
             progress=False,
-        )  # fmt: skip
+        )
     raise ValueError(f"unknown run {kind!r}")
 
 
@@ -84,18 +91,12 @@ def run_in_child(kind: str) -> Run:
     root = workdir() / f"train-{kind}"
     root.mkdir()
     result = root / "run.pickle"
-    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE), "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, __file__, kind, str(root / "store"), str(result)],
-        cwd=TESTS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    run_child(
+        __file__,
+        [kind, str(root / "store"), str(result)],
+        f"the {kind} training run",
+        {"TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)},
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"the {kind} training run failed:\n{done.stderr[-3000:]}")
     with result.open("rb") as file:
         run: Run = pickle.load(file)
     return run

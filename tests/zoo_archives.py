@@ -13,8 +13,6 @@ tests wait on servers, and the tests that use them run last.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pt2models import INDUCTOR_CACHE, TESTS, workdir
+from pt2models import INDUCTOR_CACHE, run_child, workdir
 
 from examples.zoo import Built, built_in
 from scriptserve.archiver.pt2_check import call_model
@@ -66,18 +64,12 @@ def build_zoo() -> ZooStore:
     """Write every zoo model and archive it, in one child process: torch, transformers and
     Inductor are imported once for the twelve steps (they took a child each: about 40 s more)."""
     store = ZooStore(workdir() / "zoo")
-    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE), "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, __file__, str(store.root)],
-        cwd=TESTS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    run_child(
+        __file__,
+        [str(store.root)],
+        "building the zoo",
+        {"TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)},
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"building the zoo failed:\n{done.stderr[-3000:]}")
     return store
 
 

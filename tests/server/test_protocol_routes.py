@@ -43,9 +43,19 @@ def _archive(store: Path, work: Path, name: str, model: Path) -> None:
     sample = work / "sample.json"
     sample.write_text(json.dumps(ROW))
     argv = [
-        "--model-name", name, "--version", "1.0", "--serialized-file", str(model),
-        "--handler", "tensor", "--sample-input", str(sample), "--export-path", str(store),
-    ]  # fmt: skip
+        "--model-name",
+        name,
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(model),
+        "--handler",
+        "tensor",
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(store),
+    ]
     assert model_archiver_main(argv) == 0
 
 
@@ -61,9 +71,14 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _start(store: Path, *args: str) -> ServerProcess:
     return ServerProcess(
-        store, "--workers", "1", "--max-request-bytes", str(MAX_BODY), *args,
+        store,
+        "--workers",
+        "1",
+        "--max-request-bytes",
+        str(MAX_BODY),
+        *args,
         env={"SCRIPTSERVE_INFERENCE_KEY": KEY},
-    ).start()  # fmt: skip
+    ).start()
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +106,22 @@ class Observed:
 def observed(store: Path, receiver: GrpcReceiver) -> Iterator[Observed]:
     access = store.parent / "access.log"
     proc = ServerProcess(
-        store, "--workers", "1", "--max-request-bytes", str(MAX_BODY),
-        "--access-log", str(access), "--access-log-format", "json", "--tracing",
-        "--tracing-endpoint", receiver.endpoint, "--tracing-protocol", "grpc",
+        store,
+        "--workers",
+        "1",
+        "--max-request-bytes",
+        str(MAX_BODY),
+        "--access-log",
+        str(access),
+        "--access-log-format",
+        "json",
+        "--tracing",
+        "--tracing-endpoint",
+        receiver.endpoint,
+        "--tracing-protocol",
+        "grpc",
         env={"SCRIPTSERVE_INFERENCE_KEY": KEY, "OTEL_BSP_SCHEDULE_DELAY": "50"},
-    ).start()  # fmt: skip
+    ).start()
     yield Observed(proc, access, receiver)
     proc.stop()
 
@@ -158,11 +184,19 @@ def test_a_path_beside_the_inference_routes_is_not_found(direct: ServerProcess) 
 # -- the same answer either way -------------------------------------------------------------------
 def _oip_binary() -> tuple[bytes, dict[str, str]]:
     raw = np.asarray([ROW], dtype="<f4").tobytes()
-    head = json.dumps({
-        "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32",
-                    "parameters": {"binary_data_size": len(raw)}}],
-        "parameters": {"binary_data_output": True},
-    }).encode()  # fmt: skip
+    head = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": [1, 8],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
     return head + raw, {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
 
 
@@ -208,9 +242,13 @@ def _answer(
     files = {"data": ("row.json", json.dumps(ROW).encode())} if case == "multipart" else None
     extra = {"X-Request-Id": request_id} if request_id else {}
     r = httpx.request(
-        method, server.url + path, content=body or None, files=files,
-        headers={**AUTH, **headers, **extra}, timeout=30,
-    )  # fmt: skip
+        method,
+        server.url + path,
+        content=body or None,
+        files=files,
+        headers={**AUTH, **headers, **extra},
+        timeout=30,
+    )
     kept = {k: v for k, v in r.headers.items() if k not in ANSWER_HEADERS}
     return r.status_code, kept, r.content, r.headers.get("traceparent")
 
