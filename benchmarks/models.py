@@ -4,6 +4,8 @@
 - `linear`: 512 -> 10, the MLP's input at next to none of its compute (`benchmarks.model_cost`).
 - `cnn`: a small VGG-style CNN on 3x32x32 (two 3x3 convs per stage, 32/64/128 channels, about
   39 M multiply-adds), where the model's own compute is the larger part of a request (scenario B).
+- `Holder` (`build_holders`): a model holding a given number of MiB of weights that answers its
+  own number, for many models on one node (`benchmarks.many_models`, tests/server/).
 """
 
 from __future__ import annotations
@@ -128,3 +130,44 @@ def model_latency_ms(model: BenchModel, threads: int, runs: int = 2000) -> float
             module(x)
             times.append(time.perf_counter() - started)
     return statistics.median(times) * 1000
+
+
+class Holder(nn.Module):
+    """`mib` MiB of random weights (an archive of them does not compress); answers `ident` for
+    every row of an (N, 8) input, so that an answer says which model gave it."""
+
+    def __init__(self, ident: int, mib: float) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(ident)
+        weight = torch.rand(max(1, int(mib * 262144)), generator=generator)
+        weight[0] = ident
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=1, keepdim=True) * 0.0 + self.weight[:1]
+
+
+def build_holders(
+    root: Path, sizes_mib: list[float], prefix: str = "m", archive_format: str = "default"
+) -> Path:
+    """Archives `<prefix>0`, `<prefix>1`, ... in `root / "store"`, model i holding
+    `sizes_mib[i]` MiB, each with an (N, 8) FP32 sample; `no-archive` makes directories (no
+    extraction at registration)."""
+    store = root / "store"
+    work = root / "models"
+    work.mkdir(parents=True, exist_ok=True)
+    sample = work / "sample.json"
+    sample.write_text(json.dumps([0.5] * 8))
+    for i, mib in enumerate(sizes_mib):
+        path = work / f"{prefix}{i}.pt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.script(Holder(i, mib).eval()).save(str(path))  # type: ignore[no-untyped-call]
+        argv = ["--model-name", f"{prefix}{i}", "--version", "1.0", "--serialized-file", str(path)]
+        argv += ["--handler", "tensor", "--sample-input", str(sample), "--export-path", str(store)]
+        argv += ["--archive-format", archive_format]
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints the archive's path
+            if model_archiver_main(argv) != 0:
+                raise RuntimeError(f"model-archiver failed for {path}")
+        path.unlink()
+    return store

@@ -201,7 +201,9 @@ async def serve(settings: ServerSettings) -> int:
         registry = ModelRegistry(settings, metrics, devices)
     except ValueError as exc:  # a metrics_config that does not read
         raise StartupError(str(exc)) from None
-    metrics.watch(registry.stats, registry.worker_gauges, registry.handler_metrics)
+    metrics.watch(
+        registry.stats, registry.worker_gauges, registry.handler_metrics, registry.memory.stats
+    )
     dataplane = DataPlane(registry, metrics, settings)
     management = Management(registry, dataplane.inflight_of, settings)
     repository = ModelRepository(management)

@@ -23,6 +23,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from scriptserve.server.models.memory import parse_budget
 from scriptserve.server.models.model_settings import WARMUP_RUNS, ModelSettings
 from scriptserve.server.settings_sources import (
     SettingsError,
@@ -145,6 +146,13 @@ class ServerSettings(BaseSettings):
     """Default worker kind: `thread` (fastest, shared memory) or `process` (a child process per
     worker, fed through shared memory: a crash, OOM kill or hang takes down one worker, which
     is replaced). A model's config (`workerMode`) or its registration may choose otherwise."""
+    memory_budget: str | None = None
+    """The memory the server may hold, models included: bytes or a size (`2GiB`, `512MB`) or a
+    share of its cgroup's limit or the machine's memory (`60%`). A load that would pass it
+    first unloads the least recently used idle models (docs/many-models.md); unset: no budget."""
+    lazy_load: bool = False
+    """Register every model without loading it: each loads on its first request (a model's
+    config or registration may say `load: eager`)."""
     warmup: bool = True
     """Have each worker run its archive's sample input before the model reports ready (every
     model: `--no-warmup` turns warm-up off whatever a model's config says)."""
@@ -332,6 +340,13 @@ class ServerSettings(BaseSettings):
             data = {**data, "model_store_url": store.rstrip("/"), "model_store": local}
         return data
 
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_memory_budget(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_budget(value)
+        return value
+
     @field_validator("snapshot_id")
     @classmethod
     def _check_snapshot_id(cls, value: str | None) -> str | None:
@@ -369,6 +384,10 @@ class ServerSettings(BaseSettings):
         """The `model_defaults` for one model version: its version's keys over "*"'s."""
         versions = self.model_defaults.get(name, {})
         return {**versions.get("*", {}), **versions.get(version, {})}
+
+    def memory_budget_bytes(self) -> int | None:
+        """`memory_budget` in bytes (a share read against the memory limit now)."""
+        return parse_budget(self.memory_budget) if self.memory_budget is not None else None
 
     def default_workers(self, gpus: int) -> int:
         if self.workers_per_model is not None:

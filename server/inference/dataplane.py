@@ -322,12 +322,18 @@ class DataPlane(DescribesModels):
         trace_model(name, mv.version)
         if mv.state is ModelState.FAILED:
             raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
-        if mv.pool.size == 0:
+        residency = mv.residency
+        residency.last_used = time.monotonic()
+        if residency.parked:
+            # Not loaded (lazy, or unloaded to make room): the request waits in its queue for
+            # the load its first request starts, bounded by its deadline.
+            self.registry.memory.wanted(mv)
+        elif mv.pool.size == 0:
             raise ModelNotReady(
                 f"model {name!r} version {mv.version} is scaled to 0 workers; scale it up "
                 "(PUT /models/NAME?min_worker=1) or use another version"
             )
-        if not mv.serving:
+        elif not mv.serving:
             raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
         if mv.streams and not streaming:
             raise StreamRefused(name)

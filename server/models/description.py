@@ -55,6 +55,19 @@ def quantization_parameters(mv: RegisteredVersion) -> dict[str, Any]:
     return {k: v for k, v in found.items() if v is not None}
 
 
+def memory_parameters(mv: RegisteredVersion) -> dict[str, Any]:
+    """Flat OIP-style parameters saying whether a version is loaded and what it holds."""
+    if mv.residency is None:
+        return {}
+    r = mv.residency
+    return {
+        "residence": r.state.value,
+        "load": "lazy" if r.lazy else "eager",
+        "evictable": r.evictable,
+        "resident_bytes": r.resident_bytes,
+    }
+
+
 def describe_version(mv: RegisteredVersion, is_default: bool, inflight: int) -> dict[str, Any]:
     """TorchServe's describe record of one version, with scriptserve's additions."""
     s = mv.settings
@@ -86,6 +99,7 @@ def describe_version(mv: RegisteredVersion, is_default: bool, inflight: int) -> 
         "warmupRuns": s.warmup_runs if s else None,
         "loadedAtStartup": mv.loaded_at_startup,
         "workers": mv.pool.describe() if mv.pool else [],
+        "memory": mv.residency.describe() if mv.residency else None,
         "jobQueueStatus": {
             "remainingCapacity": (s.queue_size - pending) if s else 0,
             "pendingRequests": pending,
@@ -118,8 +132,13 @@ class DescribesModels:
             platform=_PLATFORMS.get(mv.manifest.model_format, mv.manifest.model_format),
             inputs=signature.inputs,
             outputs=signature.outputs,
-            parameters=quantization_parameters(mv),
+            parameters=quantization_parameters(mv) | self._memory_parameters(mv),
         )
+
+    def _memory_parameters(self, mv: RegisteredVersion) -> dict[str, Any]:
+        """Where models come and go (a memory budget, or this one lazy): its residence."""
+        lazy = mv.residency is not None and mv.residency.lazy
+        return memory_parameters(mv) if lazy or self.registry.memory.budget_bytes else {}
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton's model configuration of a version, as JSON

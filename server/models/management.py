@@ -45,6 +45,12 @@ class Registration(BaseModel):
     worker_mode: Literal["thread", "process"] | None = Field(
         None, description="thread or process workers"
     )
+    load: Literal["eager", "lazy"] | None = Field(
+        None, description="lazy: load on the first request; eager: load now"
+    )
+    evictable: bool | None = Field(
+        None, description="false: never unloaded to make room under the memory budget"
+    )
     synchronous: bool = Field(True, description="answer once loaded (200) or at once (202)")
 
     @classmethod
@@ -65,6 +71,8 @@ class Registration(BaseModel):
             "queue_size": self.queue_size,
             "quantize": self.quantize,
             "worker_mode": self.worker_mode,
+            "load": self.load,
+            "evictable": self.evictable,
         }
 
 

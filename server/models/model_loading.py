@@ -2,13 +2,11 @@
 
 `ModelLoader.start` reads the archive's model config, resolves the version's settings, converts
 the model to int8 when asked (once, then from the cache), and starts its batcher and workers.
-It blocks (handlers load their model), so the registry runs it in a thread, as it runs
-`freeze_heap` after a load and `release_heap` after an unload.
+It blocks (handlers load their model), so the registry runs it in a thread.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from scriptserve.archiver.quantize_cache import load_request, quantize_for_load
 from scriptserve.handlers.base import Context
 from scriptserve.handlers.loader import handler_class, read_model_config
 from scriptserve.server.errors import InvalidInput
+from scriptserve.server.models.memory import Residency, files_size, release_heap
 from scriptserve.server.models.model_settings import ModelSettings
 from scriptserve.server.models.model_version import ModelVersion
 from scriptserve.server.observability.handler_metrics import read_metrics_config
@@ -30,42 +29,9 @@ from scriptserve.server.workers.batching import DynamicBatcher
 log = logging.getLogger("scriptserve.loading")
 
 
-def freeze_heap() -> None:
-    """Collect, then move every object alive now out of the cyclic collector's sight.
-
-    A loaded model leaves ~200k long-lived objects (torch, the handler, the model); each full
-    collection walked them all, taking up to ~140 ms of GIL time under load. Frozen objects are
-    still freed by reference counting. The collection walks only what is not frozen yet, the
-    objects made since the last freeze.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def release_heap(pool: AnyWorkerPool) -> None:
-    """After a version's workers stopped: bring its cyclic garbage back to the collector, only
-    when there is some to bring.
-
-    Refcounting frees a stopped version's handlers, and so its model, when nothing else holds
-    them. A handler still alive is held by a reference cycle (or a stuck thread): then the heap
-    is unfrozen and collected whole. That walks every object of the process, holding the GIL
-    all along (~130 ms for 600k objects: a stall for every request, from any thread), so it is
-    not done when nothing needs it.
-    """
-    alive = pool.handlers_alive()
-    if alive:
-        log.info(
-            "model=%s version=%s %d handler(s) outlived the model's workers; collecting the heap",
-            pool.model,
-            pool.version,
-            alive,
-        )
-        gc.unfreeze()
-        freeze_heap()
-
-
 class ModelLoader:
-    """Turns an opened archive into a running ModelVersion. Blocking."""
+    """Turns an opened archive into a ModelVersion, its workers not started yet (the registry
+    starts them through `memory.ModelMemory`, which measures what they hold). Blocking."""
 
     def __init__(
         self, settings: ServerSettings, metrics: ServerMetrics, devices: list[str]
@@ -86,9 +52,9 @@ class ModelLoader:
         overrides: dict[str, Any],
         startup: bool = False,
     ) -> ModelVersion:
-        """Load the version and start its workers. When it cannot, whatever was started is
-        stopped and the archive closed; raises ServingError, HandlerError, BackendError,
-        ValueError or OSError."""
+        """The version, parked: settings resolved, int8 converted when asked, batcher and worker
+        pool made with no worker. When it cannot be, whatever was made is stopped and the
+        archive closed; raises ServingError, HandlerError, BackendError, ValueError or OSError."""
         manifest = reader.manifest
         version = manifest.model.model_version
         root = reader.root
@@ -147,7 +113,6 @@ class ModelLoader:
                 max_abandoned=s.max_abandoned_threads,
                 warmup_runs=settings.warmup_runs,
             )
-            pool.scale(settings.workers)
         except BaseException:
             if batcher is not None:
                 batcher.close()
@@ -155,6 +120,7 @@ class ModelLoader:
                 pool.stop()
             reader.close()
             raise
+        files = model_files_size(root, manifest, model_file)
         return ModelVersion(
             name=name,
             version=version,
@@ -169,6 +135,13 @@ class ModelLoader:
             streams=cls.streams(),
             loaded_at_startup=startup,
             handler_metrics=context.metrics,
+            residency=Residency(
+                lazy=settings.load == "lazy",
+                evictable=settings.evictable,
+                estimate_bytes=files,
+                files_bytes=files,
+                parked=True,
+            ),
         )
 
     def _quantize(
@@ -198,6 +171,15 @@ class ModelLoader:
                 q.latency_ratio or 0,
             )
         return model_file, manifest
+
+
+def model_files_size(root: Path, manifest: Manifest, model_file: Path | None) -> int:
+    """What a version's model files hold on disk: its first load's estimate of its memory."""
+    if model_file is not None:
+        return files_size([model_file])
+    if manifest.model.serialized_file:
+        return files_size([root / manifest.model.serialized_file])
+    return files_size([root])
 
 
 def stop_version(mv: ModelVersion, timeout_s: float) -> None:

@@ -75,6 +75,13 @@ class ModelSettings(BaseModel):
         default=WARMUP_RUNS, ge=0, validation_alias=_keys("warmup_runs", "warmupRuns")
     )
     """Times each worker runs the archive's sample input before the model reports ready."""
+    load: Literal["eager", "lazy"] = "eager"
+    """`lazy`: registered without workers, loaded on its first request (and again after being
+    unloaded to make room); `eager`: loaded at registration. The server's `--lazy-load` makes
+    `lazy` every model's default."""
+    evictable: bool = True
+    """May be unloaded, when idle, to make room for another model under the memory budget;
+    `false` pins it."""
 
     @field_validator("device_type", mode="before")
     @classmethod
@@ -146,6 +153,7 @@ class ModelSettings(BaseModel):
             "queue_size": server.queue_size,
             "worker_mode": server.worker_mode,
             "warmup_runs": server.warmup_runs,
+            "load": "lazy" if server.lazy_load else "eager",
         }
         given: dict[str, str] = {}  # field -> the key that set it, as its source spelled it
         for config in (defaults or {}, archive_config):
@@ -191,7 +199,7 @@ _CONFIG_KEYS: dict[str, str] = {
     if isinstance(field.validation_alias, AliasChoices)
     for key in field.validation_alias.choices
     if isinstance(key, str) and key != name
-} | {"worker_mode": "worker_mode"}
+} | {"worker_mode": "worker_mode", "load": "load", "evictable": "evictable"}
 
 
 def _one_line(exc: ValidationError, given: dict[str, str]) -> str:

@@ -1,8 +1,10 @@
 """A model version the registry holds: one that loaded (`ModelVersion`), or one that did not
 (`FailedVersion`, kept with its reason when it was named at startup).
 
-A loaded version always has its manifest, settings, batcher and workers. It is READY while it
-serves, FAILED once its workers keep failing (its pool says why), UNLOADING once unregistered.
+A loaded version always has its manifest, settings and batcher, and its workers unless it is
+parked (`Residency`: registered lazily, or unloaded to make room; its next request loads it). It
+is READY while it serves or can load, FAILED once its workers keep failing (its pool says why),
+UNLOADING once unregistered.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from scriptserve.archiver.archive import ArchiveReader
 from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.signature import Signature
 from scriptserve.handlers.metrics import HandlerMetrics
+from scriptserve.server.models.memory import Residency
 from scriptserve.server.models.model_settings import ModelSettings
 from scriptserve.server.workers import AnyWorkerPool
 from scriptserve.server.workers.batching import DynamicBatcher
@@ -51,6 +54,8 @@ class ModelVersion:
     """What its handler counts, times and gauges (`context.metrics`), exported on /metrics."""
     loaded_at: float = field(default_factory=time.time)
     unloading: bool = False
+    residency: Residency = field(default_factory=Residency)
+    """Whether its workers are up, what they hold, when it was last asked for (memory.py)."""
 
     @property
     def state(self) -> ModelState:
@@ -70,7 +75,10 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
-        """Readiness: serving at full capacity (no worker missing, e.g. one being replaced)."""
+        """Readiness: serving at full capacity (no worker missing, e.g. one being replaced), or
+        parked, which its next request loads."""
+        if self.residency.parked:
+            return self.state is ModelState.READY
         return self.serving and self.pool.live >= self.pool.size
 
 
@@ -91,6 +99,7 @@ class FailedVersion:
     state = ModelState.FAILED
     serving = False
     ready = False
+    residency = None
     manifest: None = field(default=None, init=False)
     settings: None = field(default=None, init=False)
     batcher: None = field(default=None, init=False)

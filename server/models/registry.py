@@ -28,7 +28,8 @@ from scriptserve.server.errors import (
     ModelNotReady,
     ServingError,
 )
-from scriptserve.server.models.model_loading import ModelLoader, freeze_heap, stop_version
+from scriptserve.server.models.memory import ModelMemory, freeze_heap
+from scriptserve.server.models.model_loading import ModelLoader, stop_version
 from scriptserve.server.models.model_version import (
     FailedVersion,
     ModelState,
@@ -89,6 +90,9 @@ class ModelRegistry:
         self.metrics = metrics
         self.devices = devices
         self.loader = ModelLoader(settings, metrics, devices)
+        self.memory = ModelMemory(settings.memory_budget_bytes(), metrics)
+        """The memory budget, and the loads and unloads that keep it."""
+        self.memory.watch(self.loaded_versions)
         self._versions: dict[str, dict[str, ModelVersion]] = {}
         self._defaults: dict[str, str] = {}
         self._failed: dict[str, FailedVersion] = {}
@@ -126,6 +130,11 @@ class ModelRegistry:
     def default_version(self, name: str) -> str | None:
         return self._defaults.get(name)
 
+    def loaded_versions(self) -> Iterator[ModelVersion]:
+        """Every version that loaded, its workers up or parked."""
+        for versions in list(self._versions.values()):
+            yield from list(versions.values())
+
     def all_versions(self) -> Iterator[RegisteredVersion]:
         for versions in self._versions.values():
             yield from versions.values()
@@ -141,7 +150,12 @@ class ModelRegistry:
         for mv in self.all_versions():
             if isinstance(mv, ModelVersion):
                 yield VersionStats(
-                    mv.name, mv.version, mv.state.value, mv.batcher.depth, mv.pool.counts()
+                    mv.name,
+                    mv.version,
+                    mv.state.value,
+                    mv.batcher.depth,
+                    mv.pool.counts(),
+                    mv.residency.resident_bytes,
                 )
             else:
                 yield VersionStats(mv.name, mv.version, mv.state.value, 0, {})
@@ -198,6 +212,7 @@ class ModelRegistry:
             await asyncio.to_thread(reader.close)
             raise Conflict(f"model {name!r} version {version!r} is already registered")
         self._loading.add(key)
+        mv: ModelVersion | None = None
         try:
             mv = await asyncio.to_thread(
                 self.loader.start,
@@ -207,21 +222,29 @@ class ModelRegistry:
                 overrides=overrides or {},
                 startup=startup,
             )
+            if not mv.residency.lazy:
+                await self.memory.load(mv, mv.settings.workers)
         except (ServingError, HandlerError, BackendError, ValueError, OSError) as exc:
+            if mv is not None:
+                await asyncio.to_thread(stop_version, mv, 0.0)
             if isinstance(exc, ServingError) and not startup:
                 raise
             message = exc.message if isinstance(exc, (ServingError, HandlerError)) else str(exc)
             return self._fail(name, version, source, message, startup)
+        except BaseException:
+            if mv is not None:
+                await asyncio.to_thread(stop_version, mv, 0.0)
+            raise
         finally:
             self._loading.discard(key)
         self._versions.setdefault(name, {})[version] = mv
         self._defaults.setdefault(name, version)
         self._failed.pop(name, None)
         log.info(
-            "model=%s version=%s loaded: %d workers, batch %d, delay %g ms",
+            "model=%s version=%s registered: %s, batch %d, delay %g ms",
             name,
             version,
-            mv.pool.size,
+            f"{mv.pool.size} workers" if mv.pool.size else "loads on its first request",
             mv.settings.batch_size,
             mv.settings.max_batch_delay_ms,
         )
@@ -252,7 +275,11 @@ class ModelRegistry:
             if mv.unloading:
                 raise ModelNotFound(f"model {mv.name!r} version {mv.version} was unregistered")
             try:
-                await asyncio.to_thread(mv.pool.scale, workers)
+                if mv.residency.parked and workers > 0:
+                    await self.memory.load(mv, workers)  # within the budget, measured
+                else:
+                    mv.residency.parked = False  # the operator's size: 0 stays 0
+                    await asyncio.to_thread(mv.pool.scale, workers)
             except HandlerError as exc:
                 raise ServingError(
                     f"model {mv.name!r} version {mv.version} could not start a worker: "

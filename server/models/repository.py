@@ -23,7 +23,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from scriptserve.server.errors import Conflict, InvalidInput, ModelNotFound
+from scriptserve.handlers.base import HandlerError
+from scriptserve.server.errors import Conflict, InvalidInput, ModelNotFound, ModelNotReady
 from scriptserve.server.models.management import Management, Registration
 from scriptserve.server.models.registry import (
     ModelState,
@@ -35,7 +36,7 @@ from scriptserve.server.models.registry import (
 
 log = logging.getLogger("scriptserve.repository")
 
-READY, UNAVAILABLE, UNLOADING = "READY", "UNAVAILABLE", "UNLOADING"
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 """No model depends on another here, so `unload_dependents` changes nothing."""
 
@@ -44,6 +45,10 @@ def _state(mv: RegisteredVersion) -> tuple[str, str]:
     """Triton's state of a version and the reason it is not READY."""
     if mv.state is ModelState.UNLOADING:
         return UNLOADING, "unloading"
+    if isinstance(mv, ModelVersion) and mv.residency.loading is not None:
+        return LOADING, "loading for the requests waiting for it"
+    if isinstance(mv, ModelVersion) and mv.residency.parked and mv.ready:
+        return READY, "not loaded: its next request loads it"
     if mv.ready:
         return READY, ""
     if mv.reason is not None:
@@ -105,16 +110,28 @@ class ModelRepository:
         return sorted(entries, key=lambda e: (e["name"], e.get("version", "")))
 
     async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Load the store's archive of model `name` and wait until it serves."""
+        """Load the store's archive of model `name` and wait until it serves (a lazy model too,
+        or one unloaded to make room under the memory budget)."""
         _check_request(name, f"loading model {name!r}", parameters, frozenset())
         registration = Registration.parse(
-            {"url": self._archive(name), "model_name": name, "synchronous": True}
+            {"url": self._archive(name), "model_name": name, "load": "eager", "synchronous": True}
         )
         try:
             await self.management.register(registration)
         except Conflict:
-            # That archive's version is loaded (or loading) under this name already.
-            log.info("model=%s load: already loaded from the model store", name)
+            # That archive's version is registered under this name already: loaded, or parked.
+            log.info("model=%s load: already registered from the model store", name)
+            for mv in self.registry.versions(name):
+                if isinstance(mv, ModelVersion) and mv.residency.parked:
+                    await self._load_parked(mv)
+
+    async def _load_parked(self, mv: ModelVersion) -> None:
+        try:
+            await self.registry.memory.load(mv, mv.settings.workers)
+        except HandlerError as exc:
+            raise ModelNotReady(
+                f"model {mv.name!r} version {mv.version} could not load: {exc.message}"
+            ) from None
 
     async def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         """Unregister every version of model `name`, its default version last."""

@@ -73,7 +73,8 @@ def capture(registry: ModelRegistry, store: Path) -> dict[str, Any]:
         source = mv.source
         if source.parent.resolve() == store.resolve():
             source = Path(source.name)
-        workers = mv.pool.size if mv.pool else mv.settings.workers
+        parked = mv.residency is not None and mv.residency.parked
+        workers = mv.pool.size if mv.pool and not parked else mv.settings.workers
         entry = mv.settings.model_copy(update={"workers": max(1, workers)}).model_dump(mode="json")
         info = mv.manifest.scriptserve if mv.manifest else None
         if info is not None and info.quantization.details.get("appliedAt") == "load":

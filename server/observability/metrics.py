@@ -47,6 +47,8 @@ class VersionStats:
     state: str
     queue_depth: int
     workers: dict[str, int]
+    resident_bytes: int = 0
+    """What its workers hold, measured when they loaded (0 while unloaded)."""
 
 
 class _LiveCollector(Collector):
@@ -65,12 +67,51 @@ class _LiveCollector(Collector):
             "1 for the state each model version is in",
             labels=["model", "version", "state"],
         )
+        resident = GaugeMetricFamily(
+            "scriptserve_model_resident_bytes",
+            "Memory a model version's workers hold, measured at its load (0 while unloaded)",
+            labels=["model", "version"],
+        )
         for s in self._source():
+            resident.add_metric([s.model, s.version], s.resident_bytes)
             depth.add_metric([s.model, s.version], s.queue_depth)
             for state, count in s.workers.items():
                 workers.add_metric([s.model, s.version, state], count)
             models.add_metric([s.model, s.version, s.state], 1)
-        yield from (depth, workers, models)
+        yield from (depth, workers, models, resident)
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """What the scrape reads from the memory budget (server/models/memory.py)."""
+
+    budget_bytes: int | None
+    baseline_bytes: int
+    accounted_bytes: int
+
+
+class _MemoryCollector(Collector):
+    def __init__(self, source: Callable[[], MemoryStats]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        if stats.budget_bytes is not None:
+            yield GaugeMetricFamily(
+                "scriptserve_memory_budget_bytes",
+                "The memory the server may hold, models included (--memory-budget)",
+                value=stats.budget_bytes,
+            )
+        yield GaugeMetricFamily(
+            "scriptserve_memory_baseline_bytes",
+            "The server's resident size before any model loaded",
+            value=stats.baseline_bytes,
+        )
+        yield GaugeMetricFamily(
+            "scriptserve_memory_accounted_bytes",
+            "What the budget counts: the baseline and every loaded model's resident bytes",
+            value=stats.accounted_bytes,
+        )
 
 
 def _rows(request: InferenceRequest) -> int:
@@ -177,6 +218,30 @@ class ServerMetrics:
             ["model", "version"],
             registry=self.registry,
         )
+        self.model_loads = Counter(
+            "scriptserve_model_loads",
+            "Loads of a model version's workers (at registration, or on a request to a parked one)",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.model_evictions = Counter(
+            "scriptserve_model_evictions",
+            "Model versions unloaded, idle, to make room under the memory budget",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.model_load_waits = Counter(
+            "scriptserve_model_load_waits",
+            "Requests that waited for their model version to load",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.model_load_seconds = Histogram(
+            "scriptserve_model_load_seconds",
+            "Time to start a model version's workers, warm-up included",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
+            registry=self.registry,
+        )
         self.client_disconnects = Counter(
             "scriptserve_client_disconnects",
             "HTTP requests whose client went away mid-body",
@@ -189,16 +254,20 @@ class ServerMetrics:
         source: Callable[[], Iterable[VersionStats]],
         workers: Callable[[], Iterable[WorkerGauge]] | None = None,
         handlers: Callable[[], Iterable[tuple[str, str, HandlerMetrics]]] | None = None,
+        memory: Callable[[], MemoryStats] | None = None,
     ) -> None:
         """Report queue depth, workers and model states from `source` at every scrape, each
         worker from `workers`, the handlers' own metrics from `handlers`
-        (server/observability/handler_metrics.py), the server process and the GPUs
+        (server/observability/handler_metrics.py), the memory budget from `memory`, the server
+        process and the GPUs
         (server/observability/gauges.py)."""
         self.registry.register(_LiveCollector(source))
         if workers is not None:
             self.registry.register(WorkerCollector(workers))
         if handlers is not None:
             self.registry.register(HandlerMetricsCollector(handlers))
+        if memory is not None:
+            self.registry.register(_MemoryCollector(memory))
         self.registry.register(ProcessCollector(registry=None))
         self.registry.register(GpuCollector())
 

@@ -132,8 +132,8 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
             "inputs": [t.to_dict() for t in meta.inputs],
             "outputs": [t.to_dict() for t in meta.outputs],
         }
-        if meta.parameters.get("quantization", "none") != "none":
-            body["parameters"] = meta.parameters  # fp32 answers keep the spec's exact shape
+        if meta.parameters.get("quantization", "none") != "none" or "residence" in meta.parameters:
+            body["parameters"] = meta.parameters  # else the spec's exact shape
         return body
 
     @app.get("/v2/models/{model_name}", tags=["OIP v2"])

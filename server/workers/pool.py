@@ -156,6 +156,10 @@ class Runner(Protocol[S]):
     def handlers_alive(self) -> int:
         """Handlers this runner built in this process that are still alive."""
 
+    def idle(self, pool: WorkerPool[S]) -> None:
+        """The pool was scaled to no worker: let go of what was kept for new workers (a
+        shared handler), so that the model's memory is freed once its workers have stopped."""
+
 
 def describe_worker(model: str, slot: Slot, **extra: object) -> dict[str, object]:
     """One worker as the management API's describe lists it (TorchServe's keys)."""
@@ -202,6 +206,8 @@ class WorkerPool(Generic[S]):
         (server/models/profiling.py)."""
         self._devices = devices or ["cpu"]
         self._slots: list[S] = []
+        self._retiring: list[S] = []
+        """Slots scaled away whose thread may still be finishing its batch."""
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._watcher = threading.Thread(
@@ -226,6 +232,11 @@ class WorkerPool(Generic[S]):
     def slots(self) -> list[S]:
         return list(self._slots)
 
+    @property
+    def busy(self) -> bool:
+        """A worker is running a batch now."""
+        return any(slot.state is WorkerState.BUSY for slot in list(self._slots))
+
     def handlers_alive(self) -> int:
         """Handlers of this pool still alive in this process (after `stop`: only those a
         reference cycle or a stuck thread holds)."""
@@ -249,10 +260,25 @@ class WorkerPool(Generic[S]):
                 self._launch(slot)
             retiring = self._slots[n:]
             self._slots = self._slots[:n]
+            self._retiring = [s for s in self._retiring if s.state is not WorkerState.STOPPED]
+            self._retiring += retiring
+            if not self._slots:
+                self.runner.idle(self)
         for slot in retiring:
             slot.stop.set()
             slot.wake.set()
         self.batcher.wake_all()
+
+    def wait_retired(self, timeout_s: float = 30.0) -> bool:
+        """Blocking: wait for the threads of the slots scaled away to end (each finishes its
+        batch first), at most `timeout_s`; True when all have."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            retiring, self._retiring = self._retiring, []
+        for slot in retiring:
+            if slot.thread is not None and not slot.abandoned:
+                slot.thread.join(max(0.0, deadline - time.monotonic()))
+        return all(s.thread is None or not s.thread.is_alive() for s in retiring)
 
     def next_id(self) -> int:
         return next(self._ids)

@@ -100,6 +100,11 @@ class ThreadRunner:
         reference cycle or a stuck thread holds."""
         return self._untracked + sum(1 for ref in self._built if ref() is not None)
 
+    def idle(self, pool: WorkerPool[ThreadSlot]) -> None:
+        with self._lock:
+            self._shared.clear()  # its model is freed when the last worker using it stops
+            self._built = [ref for ref in self._built if ref() is not None]
+
     def _handler_for(
         self, pool: WorkerPool[ThreadSlot], device: str
     ) -> tuple[BaseHandler, Context]:

@@ -96,6 +96,9 @@ class ProcessRunner:
     def handlers_alive(self) -> int:
         return 0  # the handlers live in the worker processes
 
+    def idle(self, pool: WorkerPool[ProcessSlot]) -> None:
+        pass  # each worker process holds its own model, gone with it
+
     # -- the runner protocol -----------------------------------------------------------------
     def open(
         self, pool: WorkerPool[ProcessSlot], places: list[tuple[int, str]]

@@ -1,0 +1,289 @@
+"""Many models on one node: lazy loading, a memory budget, eviction of the least recently used
+idle model, and nothing lost while models come and go (server/models/memory.py).
+
+Each model is a TorchScript archive holding `MODEL_MIB` MiB of weights and answering its own
+number, so an answer says which model gave it. Real servers on loopback ports, thread workers
+(one per model) unless a test says otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from serving import ServerProcess
+
+from benchmarks.models import build_holders
+
+# Slow: five servers, one of them under 32 clients for 8 s (test_memory.py is the quick loop's).
+pytestmark = pytest.mark.slow
+
+MODEL_MIB = 48
+MODELS = 6
+LAZY = ("--lazy-load", "--workers", "1", "--no-snapshot")
+"""Every model lazy, one thread worker each; each server starts from the store alone."""
+
+
+def infer(client: httpx.Client, server: ServerProcess, name: str, **headers: str) -> httpx.Response:
+    body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]}
+    return client.post(f"{server.url}/v2/models/{name}/infer", json=body, headers=headers)
+
+
+def answer(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return int(response.json()["outputs"][0]["data"][0])
+
+
+def memory(client: httpx.Client, server: ServerProcess, name: str) -> dict[str, object]:
+    described = client.get(f"{server.mgmt}/models/{name}", headers=server.mgmt_headers)
+    assert described.status_code == 200, described.text
+    found: dict[str, object] = described.json()[0]["memory"]
+    return found
+
+
+def metric(client: httpx.Client, server: ServerProcess, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels` (every sample: none given)."""
+    text = client.get(f"{server.metrics_url}/metrics").text
+    total = 0.0
+    for found in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(found.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_holders(tmp_path_factory.mktemp("many"), [MODEL_MIB] * MODELS)
+
+
+@pytest.fixture(scope="module")
+def sizes(store: Path) -> tuple[int, int]:
+    """What a server without a budget measures on this machine: what it holds with no model
+    beyond what its first load sets up once (kernels, thread pools), and one model's bytes."""
+    proc = ServerProcess(store, *LAZY).start()
+    try:
+        with httpx.Client(timeout=60) as client:
+            assert answer(infer(client, proc, "m0")) == 0
+            assert answer(infer(client, proc, "m1")) == 1
+            accounted = int(metric(client, proc, "scriptserve_memory_accounted_bytes"))
+            resident = int(memory(client, proc, "m1")["residentBytes"])  # type: ignore[call-overload]
+    finally:
+        proc.stop()
+    assert resident >= MODEL_MIB * 2**20 * 0.8, resident  # the weights are what it holds
+    return accounted - 2 * resident, resident
+
+
+def budget_for(sizes: tuple[int, int], models: float) -> str:
+    base, resident = sizes
+    return str(int(base + models * resident))
+
+
+@pytest.fixture(scope="module")
+def lazy_server(store: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(store, *LAZY, "--enable-model-api").start()
+    yield proc
+    proc.stop()
+
+
+def test_a_lazy_model_is_registered_ready_and_loads_on_its_first_request(
+    lazy_server: ServerProcess,
+) -> None:
+    with httpx.Client(timeout=60) as client:
+        assert client.get(f"{lazy_server.url}/v2/health/ready").status_code == 200
+        before = memory(client, lazy_server, "m1")
+        assert before["residence"] == "UNLOADED" and before["residentBytes"] == 0
+        assert before["load"] == "lazy" and before["evictable"] is True
+        index = client.post(
+            f"{lazy_server.url}/v2/repository/index", json={}, headers=lazy_server.mgmt_headers
+        ).json()
+        entry = next(e for e in index if e["name"] == "m1")
+        assert entry["state"] == "READY" and "not loaded" in entry["reason"]
+        meta = client.get(f"{lazy_server.url}/v2/models/m1").json()
+        assert meta["parameters"]["residence"] == "UNLOADED"
+        assert client.get(f"{lazy_server.url}/v2/models/m1/ready").status_code == 200
+
+        assert answer(infer(client, lazy_server, "m1")) == 1
+
+        # Served by its first worker up; the load's measuring ends just after.
+        lazy_server.wait(lambda c: memory(c, lazy_server, "m1")["residence"] == "LOADED", 10)
+        after = memory(client, lazy_server, "m1")
+        assert after["residence"] == "LOADED" and after["loads"] == 1
+        assert int(after["residentBytes"]) >= MODEL_MIB * 2**20 * 0.8  # type: ignore[call-overload]
+        labels = {"model": "m1", "version": "1.0"}
+        assert metric(client, lazy_server, "scriptserve_model_loads_total", **labels) == 1
+        assert metric(client, lazy_server, "scriptserve_model_load_waits_total", **labels) == 1
+        resident = metric(client, lazy_server, "scriptserve_model_resident_bytes", **labels)
+        assert resident == after["residentBytes"]
+        assert answer(infer(client, lazy_server, "m1")) == 1  # loaded now: no wait
+        assert metric(client, lazy_server, "scriptserve_model_load_waits_total", **labels) == 1
+
+
+def test_requests_that_arrive_while_a_model_loads_wait_for_that_one_load(
+    lazy_server: ServerProcess,
+) -> None:
+    async def burst() -> list[httpx.Response]:
+        body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]}
+        async with httpx.AsyncClient(timeout=60) as client:
+            url = f"{lazy_server.url}/v2/models/m2/infer"
+            return await asyncio.gather(*(client.post(url, json=body) for _ in range(24)))
+
+    responses = asyncio.run(burst())
+    assert [answer(r) for r in responses] == [2] * 24
+    with httpx.Client(timeout=10) as client:
+        labels = {"model": "m2", "version": "1.0"}
+        assert metric(client, lazy_server, "scriptserve_model_loads_total", **labels) == 1
+        assert metric(client, lazy_server, "scriptserve_model_load_waits_total", **labels) >= 1
+
+
+def test_registration_says_lazy_or_eager_and_pinned(lazy_server: ServerProcess) -> None:
+    with httpx.Client(timeout=60) as client:
+        headers = lazy_server.mgmt_headers
+        url = f"{lazy_server.mgmt}/models"
+        params = {"url": "m3.mar", "model_name": "m3eager", "load": "eager", "evictable": "false"}
+        registered = client.post(url, params=params, headers=headers)
+        assert registered.status_code == 200, registered.text
+        described = memory(client, lazy_server, "m3eager")
+        assert described["residence"] == "LOADED" and described["load"] == "eager"
+        assert described["evictable"] is False
+        refused = client.post(url, params={"url": "m3.mar", "load": "later"}, headers=headers)
+        assert refused.status_code == 400 and "load" in refused.text
+        gone = client.delete(f"{url}/m3eager", headers=headers)  # out of the store's snapshot
+        assert gone.status_code == 200, gone.text
+
+
+def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(
+    store: Path, sizes: tuple[int, int]
+) -> None:
+    budget = budget_for(sizes, 2.5)
+    proc = ServerProcess(store, *LAZY, "--memory-budget", budget)
+    proc.start()
+    try:
+        with httpx.Client(timeout=60) as client:
+            assert answer(infer(client, proc, "m0")) == 0
+            assert answer(infer(client, proc, "m1")) == 1
+            assert answer(infer(client, proc, "m0")) == 0  # m1 is now the least recently used
+            assert answer(infer(client, proc, "m2")) == 2
+            assert memory(client, proc, "m1")["residence"] == "UNLOADED"
+            assert memory(client, proc, "m0")["residence"] == "LOADED"
+            labels = {"model": "m1", "version": "1.0"}
+            assert metric(client, proc, "scriptserve_model_evictions_total", **labels) == 1
+            assert metric(client, proc, "scriptserve_model_resident_bytes", **labels) == 0
+            assert answer(infer(client, proc, "m1")) == 1  # reloaded on its next request
+            proc.wait(lambda c: memory(c, proc, "m1")["loads"] == 2, 10)
+            used = metric(client, proc, "scriptserve_memory_accounted_bytes")
+            assert used <= int(budget)
+            assert metric(client, proc, "scriptserve_memory_budget_bytes") == int(budget)
+            assert client.get(f"{proc.url}/v2/health/ready").status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_a_pinned_model_stays_and_a_full_budget_answers_503(
+    store: Path, sizes: tuple[int, int], tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model_defaults:\n  m0:\n    '*': {evictable: false}\n  m1:\n    '*': {evictable: false}\n"
+    )
+    budget = budget_for(sizes, 2.5)
+    proc = ServerProcess(
+        store, *LAZY, "--memory-budget", budget,
+        env={"SCRIPTSERVE_CONFIG_FILE": str(config)},
+    )  # fmt: skip
+    proc.start()
+    try:
+        with httpx.Client(timeout=60) as client:
+            assert answer(infer(client, proc, "m0")) == 0
+            assert answer(infer(client, proc, "m1")) == 1
+            full = infer(client, proc, "m2")
+            assert full.status_code == 503, full.text
+            assert "memory budget is full" in full.json()["error"]
+            assert "--memory-budget" in full.json()["error"]
+            assert memory(client, proc, "m0")["residence"] == "LOADED"
+            assert memory(client, proc, "m2")["residence"] == "UNLOADED"
+            assert answer(infer(client, proc, "m0")) == 0  # the others serve on
+            assert client.get(f"{proc.url}/v2/health/ready").status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
+    store: Path, sizes: tuple[int, int]
+) -> None:
+    """32 clients for 8 s, model i chosen with weight 1/(i+1)^1.1, a budget for 3 of the 6:
+    every request answered 200 by the model it named, while models are evicted and reloaded."""
+    budget = budget_for(sizes, 3.5)
+    proc = ServerProcess(store, *LAZY, "--memory-budget", budget)
+    proc.start()
+    weights = [1 / (i + 1) ** 1.1 for i in range(MODELS)]
+    outcomes: list[tuple[int, int, int]] = []
+
+    async def client_loop(client: httpx.AsyncClient, rng: random.Random, until: float) -> None:
+        body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]}
+        loop = asyncio.get_running_loop()
+        while loop.time() < until:
+            i = rng.choices(range(MODELS), weights)[0]
+            response = await client.post(f"{proc.url}/v2/models/m{i}/infer", json=body)
+            got = int(response.json()["outputs"][0]["data"][0]) if response.is_success else -1
+            outcomes.append((i, response.status_code, got))
+
+    async def traffic() -> None:
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            until = asyncio.get_running_loop().time() + 8.0
+            await asyncio.gather(
+                *(client_loop(client, random.Random(seed), until) for seed in range(32))
+            )
+
+    try:
+        asyncio.run(traffic())
+        with httpx.Client(timeout=10) as client:
+            evictions = metric(client, proc, "scriptserve_model_evictions_total")
+            loads = metric(client, proc, "scriptserve_model_loads_total")
+            used = metric(client, proc, "scriptserve_memory_accounted_bytes")
+            assert client.get(f"{proc.url}/v2/health/ready").status_code == 200
+    finally:
+        proc.stop()
+    failed = [o for o in outcomes if o[1] != 200 or o[0] != o[2]]
+    assert not failed, failed[:5]
+    assert len(outcomes) > 100
+    assert evictions >= 1 and loads >= MODELS - 2  # models came and went
+    assert used <= int(budget)
+
+
+def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
+    store: Path,
+) -> None:
+    """A process worker's resident size is its whole process (Python, torch, the weights): the
+    budget counts it so, and unloading a model stops its process."""
+    args = (*LAZY, "--worker-mode", "process")
+    sizing = ServerProcess(store, *args).start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            assert answer(infer(client, sizing, "m0")) == 0
+            sizing.wait(lambda c: memory(c, sizing, "m0")["residence"] == "LOADED", 30)
+            child = int(memory(client, sizing, "m0")["residentBytes"])  # type: ignore[call-overload]
+            baseline = int(metric(client, sizing, "scriptserve_memory_baseline_bytes"))
+    finally:
+        sizing.stop()
+    assert child > MODEL_MIB * 2**20  # the weights and a Python process with torch
+
+    budget = str(int(baseline + 1.5 * child))
+    proc = ServerProcess(store, *args, "--memory-budget", budget).start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            for name, ident in (("m0", 0), ("m1", 1), ("m0", 0), ("m1", 1)):
+                assert answer(infer(client, proc, name)) == ident
+            proc.wait(lambda c: memory(c, proc, "m1")["loads"] == 2, 30)
+            assert memory(client, proc, "m0")["residence"] == "UNLOADED"
+            assert memory(client, proc, "m0")["evictions"] == 2
+            described = client.get(f"{proc.mgmt}/models/m0", headers=proc.mgmt_headers).json()
+            assert described[0]["workers"] == []  # its process is gone
+            assert metric(client, proc, "scriptserve_memory_accounted_bytes") <= int(budget)
+    finally:
+        proc.stop()
