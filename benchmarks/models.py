@@ -134,25 +134,35 @@ def model_latency_ms(model: BenchModel, threads: int, runs: int = 2000) -> float
 
 class Holder(nn.Module):
     """`mib` MiB of random weights (an archive of them does not compress); answers `ident` for
-    every row of an (N, 8) input, so that an answer says which model gave it."""
+    every row of an (N, 8) input, so that an answer says which model gave it. With `busy`, each
+    call first multiplies a 256x256 matrix that many times (about 0.1 ms each on one core)."""
 
-    def __init__(self, ident: int, mib: float) -> None:
+    def __init__(self, ident: int, mib: float, busy: int = 0) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(ident)
         weight = torch.rand(max(1, int(mib * 262144)), generator=generator)
         weight[0] = ident
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.busy = busy
+        self.square = nn.Parameter(torch.eye(256), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.sum(dim=1, keepdim=True) * 0.0 + self.weight[:1]
+        y = self.square
+        for _ in range(self.busy):
+            y = y @ self.square
+        return x.sum(dim=1, keepdim=True) * 0.0 + self.weight[:1] + y[0, 1]
 
 
 def build_holders(
-    root: Path, sizes_mib: list[float], prefix: str = "m", archive_format: str = "default"
+    root: Path,
+    sizes_mib: list[float],
+    prefix: str = "m",
+    archive_format: str = "default",
+    busy: int = 0,
 ) -> Path:
     """Archives `<prefix>0`, `<prefix>1`, ... in `root / "store"`, model i holding
-    `sizes_mib[i]` MiB, each with an (N, 8) FP32 sample; `no-archive` makes directories (no
-    extraction at registration)."""
+    `sizes_mib[i]` MiB (and `busy` for each call), each with an (N, 8) FP32 sample;
+    `no-archive` makes directories (no extraction at registration)."""
     store = root / "store"
     work = root / "models"
     work.mkdir(parents=True, exist_ok=True)
@@ -162,7 +172,8 @@ def build_holders(
         path = work / f"{prefix}{i}.pt"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            torch.jit.script(Holder(i, mib).eval()).save(str(path))  # type: ignore[no-untyped-call]
+            module = Holder(i, mib, busy).eval()
+            torch.jit.script(module).save(str(path))  # type: ignore[no-untyped-call]
         argv = ["--model-name", f"{prefix}{i}", "--version", "1.0", "--serialized-file", str(path)]
         argv += ["--handler", "tensor", "--sample-input", str(sample), "--export-path", str(store)]
         argv += ["--archive-format", archive_format]

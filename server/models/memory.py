@@ -133,6 +133,20 @@ def resident_bytes(pid: int | str = "self") -> int:
         return 0
 
 
+MMAP_THRESHOLD = 128 * 1024
+"""Allocations of this size and more are mapped on their own under a memory budget."""
+
+
+def map_large_allocations() -> None:
+    """Have glibc map every allocation of `MMAP_THRESHOLD` bytes or more on its own, and unmap
+    it when freed. By default the threshold rises to the size of the largest block freed (up
+    to 32 MiB), after which a model's weights are carved from the heap, and an unloaded
+    model's bytes stay resident between live ones. The cost: a large allocation (a big
+    activation) is a fresh mapping each time, paid in page faults."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its own policy stands
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+
+
 def give_back_heap() -> None:
     """Return the C heap's free pages to the system (glibc), so that an unloaded model's memory
     leaves the resident size now rather than at the allocator's convenience."""
@@ -251,6 +265,8 @@ class ModelMemory:
         self.budget_bytes = budget_bytes
         self.metrics = metrics
         _load_runtime()
+        if budget_bytes is not None:
+            map_large_allocations()
         self.baseline_bytes = resident_bytes()
         """The process's resident size before any model: the runtime and the libraries."""
         self._versions: Callable[[], Iterable[ModelVersion]] = tuple
@@ -265,12 +281,21 @@ class ModelMemory:
         self._versions = versions
 
     # -- what the budget holds -----------------------------------------------------------------
-    def used_bytes(self) -> int:
-        """What the budget counts now: the baseline and every version's resident bytes."""
+    def accounted_bytes(self) -> int:
+        """The baseline and every version's resident bytes, as measured at their loads."""
         return self.baseline_bytes + sum(mv.residency.resident_bytes for mv in self._versions())
 
+    def used_bytes(self) -> int:
+        """What the budget counts now: the accounted bytes, or the server's resident size when
+        that is more. Loads and unloads leave the C heap fragmented (freed bytes the allocator
+        keeps between live ones), so the resident size drifts above the accounting; counting it
+        unloads as many more models as that drift takes."""
+        return max(self.accounted_bytes(), self.server_bytes())
+
     def stats(self) -> MemoryStats:
-        return MemoryStats(self.budget_bytes, self.baseline_bytes, self.used_bytes())
+        return MemoryStats(
+            self.budget_bytes, self.baseline_bytes, self.accounted_bytes(), self.server_bytes()
+        )
 
     def server_bytes(self) -> int:
         """The server's resident size now: this process and its process workers."""

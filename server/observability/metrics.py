@@ -88,6 +88,8 @@ class MemoryStats:
     budget_bytes: int | None
     baseline_bytes: int
     accounted_bytes: int
+    resident_bytes: int
+    """The server's resident size: its process and its worker processes."""
 
 
 class _MemoryCollector(Collector):
@@ -109,8 +111,14 @@ class _MemoryCollector(Collector):
         )
         yield GaugeMetricFamily(
             "scriptserve_memory_accounted_bytes",
-            "What the budget counts: the baseline and every loaded model's resident bytes",
+            "The baseline and every loaded model's resident bytes, measured at their loads",
             value=stats.accounted_bytes,
+        )
+        yield GaugeMetricFamily(
+            "scriptserve_memory_resident_bytes",
+            "The server's resident size, its worker processes included (the budget counts "
+            "this or the accounted bytes, whichever is more)",
+            value=stats.resident_bytes,
         )
 
 

@@ -204,15 +204,20 @@ class ThreadRunner:
         timeout = self._timeout_s
         interval = min(1.0, max(0.05, timeout / 4))
         while not pool.closed.wait(interval):
-            if pool.failed_reason is not None:
-                continue
-            now = time.monotonic()
-            for slot in pool.slots():
-                if slot.abandoned:
-                    if now >= slot.replace_after:
-                        self._replace(pool, slot)
-                elif slot.state is WorkerState.BUSY and now - slot.busy_since > timeout:
-                    self._abandon(pool, slot, now - slot.busy_since)
+            if pool.failed_reason is None:
+                self._look(pool, timeout)
+
+    def _look(self, pool: WorkerPool[ThreadSlot], timeout: float) -> None:
+        """One round of the watchdog. A function of its own, so that no slot stays referenced
+        from the watchdog's locals while it waits: a slot scaled away holds its handler, and
+        with it the model, which must be freed when the model is unloaded."""
+        now = time.monotonic()
+        for slot in pool.slots():
+            if slot.abandoned:
+                if now >= slot.replace_after:
+                    self._replace(pool, slot)
+            elif slot.state is WorkerState.BUSY and now - slot.busy_since > timeout:
+                self._abandon(pool, slot, now - slot.busy_since)
 
     def _abandon(self, pool: WorkerPool[ThreadSlot], slot: ThreadSlot, stuck_s: float) -> None:
         """Give up a worker stuck in the handler; it stops once (if ever) its call returns."""

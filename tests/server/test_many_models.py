@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,19 +64,20 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sizes(store: Path) -> tuple[int, int]:
-    """What a server without a budget measures on this machine: what it holds with no model
-    beyond what its first load sets up once (kernels, thread pools), and one model's bytes."""
+    """What a server without a budget measures on this machine: its resident size with no
+    model (with what its first load sets up once: kernels, thread pools), and one model's
+    bytes."""
     proc = ServerProcess(store, *LAZY).start()
     try:
         with httpx.Client(timeout=60) as client:
             assert answer(infer(client, proc, "m0")) == 0
             assert answer(infer(client, proc, "m1")) == 1
-            accounted = int(metric(client, proc, "scriptserve_memory_accounted_bytes"))
+            held = int(metric(client, proc, "scriptserve_memory_resident_bytes"))
             resident = int(memory(client, proc, "m1")["residentBytes"])  # type: ignore[call-overload]
     finally:
         proc.stop()
     assert resident >= MODEL_MIB * 2**20 * 0.8, resident  # the weights are what it holds
-    return accounted - 2 * resident, resident
+    return held - 2 * resident, resident
 
 
 def budget_for(sizes: tuple[int, int], models: float) -> str:
@@ -177,6 +179,8 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(
             proc.wait(lambda c: memory(c, proc, "m1")["loads"] == 2, 10)
             used = metric(client, proc, "scriptserve_memory_accounted_bytes")
             assert used <= int(budget)
+            resident = metric(client, proc, "scriptserve_memory_resident_bytes")
+            assert resident <= int(budget) * 1.1
             assert metric(client, proc, "scriptserve_memory_budget_bytes") == int(budget)
             assert client.get(f"{proc.url}/v2/health/ready").status_code == 200
     finally:
@@ -246,6 +250,7 @@ def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
             evictions = metric(client, proc, "scriptserve_model_evictions_total")
             loads = metric(client, proc, "scriptserve_model_loads_total")
             used = metric(client, proc, "scriptserve_memory_accounted_bytes")
+            resident = metric(client, proc, "scriptserve_memory_resident_bytes")
             assert client.get(f"{proc.url}/v2/health/ready").status_code == 200
     finally:
         proc.stop()
@@ -254,6 +259,7 @@ def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
     assert len(outcomes) > 100
     assert evictions >= 1 and loads >= MODELS - 2  # models came and went
     assert used <= int(budget)
+    assert resident <= int(budget) * 1.1
 
 
 def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
@@ -285,5 +291,43 @@ def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
             described = client.get(f"{proc.mgmt}/models/m0", headers=proc.mgmt_headers).json()
             assert described[0]["workers"] == []  # its process is gone
             assert metric(client, proc, "scriptserve_memory_accounted_bytes") <= int(budget)
+    finally:
+        proc.stop()
+
+
+def test_a_model_running_a_request_is_waited_for_not_unloaded(
+    tmp_path: Path, sizes: tuple[int, int]
+) -> None:
+    """Room for one model and a half: while s0 runs a long request, a request to s1 waits for
+    s0 to finish rather than unloading it under its request; then s0 makes room."""
+    store = build_holders(tmp_path, [MODEL_MIB] * 2, prefix="s", busy=8000)
+    budget = budget_for(sizes, 1.5)
+    proc = ServerProcess(store, *LAZY, "--memory-budget", budget).start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            assert answer(infer(client, proc, "s0")) == 0  # loaded (and timed)
+            started = time.perf_counter()
+            assert answer(infer(client, proc, "s0")) == 0
+            busy_s = time.perf_counter() - started
+            assert busy_s > 0.3, busy_s  # long enough to be seen running
+
+            async def both() -> tuple[httpx.Response, httpx.Response, float]:
+                body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32"}]}
+                body["inputs"][0]["data"] = [0.5] * 8
+                async with httpx.AsyncClient(timeout=120) as http:
+                    first = asyncio.ensure_future(
+                        http.post(f"{proc.url}/v2/models/s0/infer", json=body)
+                    )
+                    await asyncio.sleep(busy_s / 4)  # s0 is running it now
+                    asked = time.perf_counter()
+                    second = await http.post(f"{proc.url}/v2/models/s1/infer", json=body)
+                    return await first, second, time.perf_counter() - asked
+
+            first, second, waited = asyncio.run(both())
+            assert answer(first) == 0 and answer(second) == 1
+            assert waited > busy_s / 2  # s1's load waited for s0's request to end
+            assert memory(client, proc, "s0")["residence"] == "UNLOADED"
+            labels = {"model": "s0", "version": "1.0"}
+            assert metric(client, proc, "scriptserve_model_evictions_total", **labels) == 1
     finally:
         proc.stop()
