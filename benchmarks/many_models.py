@@ -8,13 +8,13 @@ at registration) of 1 to 8 MiB of weights, sizes log-uniform; model popularity f
 law (s = 1.1) over a seeded shuffle of the models, so popularity does not follow size. Each
 client sends one request at a time to a model drawn from it, for `--seconds`.
 
-1. Sizing: a server without a budget, every model lazy, loads the 5 most popular models; its
-   accounted bytes less theirs is the baseline (with what torch sets up once), and their
-   bytes per file byte turn the models' files into bytes. The budget is the baseline plus
-   the `--fit` models of median size.
+1. Sizing: a server without a budget, every model lazy, under the same clients asking only
+   for the `--fit` most popular models for 20 s: its peak resident size (every one of them
+   loaded, and the runtime under this traffic) is the budget.
 2. Lazy: `--lazy-load --memory-budget <that>`. A request is cold when its model was not
-   loaded when it was sent (read from the server's own log of loads and unloads), else warm.
-3. Preloaded: every model loaded at registration, no budget (the baseline for warm latency).
+   loaded when it was sent (read from the server's own log of loads and unloads), else warm;
+   the models loaded are counted once a second from the same log.
+3. Preloaded: every model loaded at registration, no budget: the baseline for warm latency.
 4. A `.pt2` model's cold load: the MLP of `benchmarks.models` as a `.pt2` archive, registered
    lazily three times under three names: the first request of each, and its load's seconds.
 
@@ -153,8 +153,9 @@ def full_log(process: ServerProcess) -> str:
 class PeakRss:
     """The server's resident size (its process and its children), sampled every 50 ms."""
 
-    def __init__(self, pid: int) -> None:
-        self.process = psutil.Process(pid)
+    def __init__(self, server: ServerProcess) -> None:
+        assert server.proc is not None
+        self.process = psutil.Process(server.proc.pid)
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -175,8 +176,14 @@ class PeakRss:
 
 
 # -- traffic -----------------------------------------------------------------------------------
-async def traffic(url: str, count: int, clients: int, seconds: float) -> list[Sent]:
+async def traffic(
+    url: str, count: int, clients: int, seconds: float, among: int | None = None
+) -> list[Sent]:
+    """`clients` closed loops for `seconds`, models drawn by popularity (only the `among` most
+    popular when given)."""
     order, weights = popularity(count)
+    if among is not None:
+        order, weights = order[:among], weights[:among]
     sent: list[Sent] = []
 
     async def client(http: httpx.AsyncClient, rng: random.Random, until: float) -> None:
@@ -195,10 +202,11 @@ async def traffic(url: str, count: int, clients: int, seconds: float) -> list[Se
     return sent
 
 
-def run(process: ServerProcess, count: int, clients: int, seconds: float) -> Run:
-    assert process.proc is not None
-    peak = PeakRss(process.proc.pid)
-    sent = asyncio.run(traffic(process.url, count, clients, seconds))
+def run(
+    process: ServerProcess, count: int, clients: int, seconds: float, among: int | None = None
+) -> Run:
+    peak = PeakRss(process)
+    sent = asyncio.run(traffic(process.url, count, clients, seconds, among))
     return Run(sent, peak.stop(), scrape(process), full_log(process))
 
 
@@ -250,6 +258,7 @@ def figures(result: Run, seconds: float, cold_of: Callable[[Sent], bool]) -> dic
         "loads_per_s": loads / seconds,
         "evictions_per_s": evictions / seconds,
         "peak_rss_bytes": result.peak_rss,
+        "models_loaded_median": _loaded_median(result),
         "load_seconds_median": _load_median(result.log),
     }
 
@@ -261,35 +270,44 @@ def _count(values: Any) -> dict[int, int]:
     return counts
 
 
+def _loaded_median(result: Run) -> float | None:
+    """The median number of models loaded, once a second over the run (from the log's spans;
+    a run with no load or unload logged holds every model it registered)."""
+    spans = loaded_spans(result.log)
+    if not spans or not result.sent:
+        return None
+    start = min(s.at for s in result.sent)
+    end = max(s.at for s in result.sent)
+    counts = [
+        sum(1 for held in spans.values() if any(a <= t < b for a, b in held))
+        for t in np.arange(start, end, 1.0)
+    ]
+    return float(statistics.median(counts)) if counts else None
+
+
 def _load_median(log: str) -> float | None:
     found = [float(m) for m in re.findall(r"loaded in ([0-9.]+) s", log)]
     return statistics.median(found) if found else None
 
 
 # -- the steps ---------------------------------------------------------------------------------
-def size_budget(store: Path, count: int, fit: int) -> tuple[int, dict[str, Any]]:
-    order, _ = popularity(count)
-    sizes = sizes_mib(count)
+def size_budget(store: Path, count: int, fit: int, clients: int) -> tuple[int, dict[str, Any]]:
+    """The budget that holds the `fit` most popular models: the peak resident size of a server
+    without a budget under the same clients, asking only for those (so holding them all)."""
     with server("sizing", store, "--lazy-load") as process:
-        with httpx.Client(timeout=120) as http:
-            for model in order[:5]:
-                http.post(f"{process.url}/v2/models/m{model}/infer", json=BODY).raise_for_status()
-        time.sleep(1.0)  # the last load's measuring ends just after its first answer
-        text = scrape(process)
-    held = {m: metric(text, "scriptserve_model_resident_bytes", model=f"m{m}") for m in order[:5]}
-    # The first load also holds what torch sets up once: the others say what a model holds.
-    first, rest = order[0], order[1:5]
-    per_file_byte = sum(held[m] for m in rest) / sum(sizes[m] * 2**20 for m in rest)
-    baseline = metric(text, "scriptserve_memory_baseline_bytes")
-    base = baseline + max(0.0, held[first] - sizes[first] * 2**20 * per_file_byte)
-    typical = statistics.median(sizes) * 2**20 * per_file_byte
-    budget = int(base + fit * typical)
-    return budget, {
-        "baseline_bytes": baseline,
-        "base_bytes": base,
-        "bytes_per_file_byte": per_file_byte,
-        "typical_model_bytes": typical,
-        "models_held": held,
+        sizing = run(process, count, clients, 20.0, among=fit)
+    held = [
+        float(v)
+        for v in re.findall(
+            r"^scriptserve_model_resident_bytes\{.*\} (\S+)$", sizing.metrics, re.MULTILINE
+        )
+        if float(v) > 0
+    ]
+    return sizing.peak_rss, {
+        "baseline_bytes": metric(sizing.metrics, "scriptserve_memory_baseline_bytes"),
+        "models_held": len(held),
+        "models_bytes": sum(held),
+        "runtime_under_traffic_bytes": sizing.peak_rss - sum(held),
     }
 
 
@@ -336,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     started = dt.datetime.now().astimezone()
     store = store_of(args.models)
-    budget, sizing = size_budget(store, args.models, args.fit)
+    budget, sizing = size_budget(store, args.models, args.fit, args.clients)
     print(f"budget {budget / 2**20:.0f} MiB: {json.dumps(report._rounded(sizing))}", flush=True)
 
     with server("lazy", store, "--lazy-load", "--memory-budget", str(budget)) as process:

@@ -15,8 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
 from serving import ServerProcess
+from tritonclient.utils import InferenceServerException
 
 from benchmarks.models import build_holders
 
@@ -331,3 +335,51 @@ def test_a_model_running_a_request_is_waited_for_not_unloaded(
             assert metric(client, proc, "scriptserve_model_evictions_total", **labels) == 1
     finally:
         proc.stop()
+
+
+def test_grpc_repository_and_snapshots_see_lazy_models(
+    store: Path, sizes: tuple[int, int], tmp_path: Path
+) -> None:
+    """Triton's repository `load` loads a parked model without a request; over gRPC a full
+    budget is UNAVAILABLE with its reason; a lazy registration outlives a restart (the
+    replica's snapshot), still lazy and pinned."""
+    args = (
+        "--lazy-load", "--workers", "1", "--enable-model-api",
+        "--snapshot-dir", str(tmp_path / "snapshots"), "--memory-budget", budget_for(sizes, 2.5),
+    )  # fmt: skip
+    x = triton_grpc.InferInput("x", [1, 8], "FP32")
+    x.set_data_from_numpy(np.full((1, 8), 0.5, np.float32))
+    proc = ServerProcess(store, *args).start()
+    try:
+        headers = proc.mgmt_headers
+        rpc = triton_grpc.InferenceServerClient(proc.grpc)
+        with httpx.Client(timeout=60) as client, rpc:
+            repository = triton_http.InferenceServerClient(proc.url.removeprefix("http://"))
+            repository.load_model("m1", headers=headers)
+            assert memory(client, proc, "m1")["residence"] == "LOADED"  # no request needed
+
+            for name, archive in (("pinned", "m0.mar"), ("pinned2", "m2.mar")):
+                params = {"url": archive, "model_name": name, "evictable": "false"}
+                registered = client.post(f"{proc.mgmt}/models", params=params, headers=headers)
+                assert registered.status_code == 200, registered.text
+                assert memory(client, proc, name)["residence"] == "UNLOADED"  # lazy
+            answered = rpc.infer("pinned", [x]).as_numpy("output0")
+            assert answered is not None and int(answered[0, 0]) == 0
+            assert answer(infer(client, proc, "pinned2")) == 2  # m1, idle, made room
+            assert memory(client, proc, "m1")["residence"] == "UNLOADED"
+
+            with pytest.raises(InferenceServerException) as full:
+                rpc.infer("m3", [x])
+            assert full.value.status() == "StatusCode.UNAVAILABLE"
+            assert "memory budget is full" in str(full.value.message())
+            assert rpc.is_server_ready()
+    finally:
+        proc.stop()
+    restarted = ServerProcess(store, *args).start()
+    try:
+        with httpx.Client(timeout=60) as client:
+            again = memory(client, restarted, "pinned")
+            assert again["residence"] == "UNLOADED" and again["evictable"] is False
+            assert answer(infer(client, restarted, "pinned")) == 0
+    finally:
+        restarted.stop()
