@@ -15,7 +15,9 @@ client sends one request at a time to a model drawn from it, for `--seconds`.
    loaded when it was sent (read from the server's own log of loads and unloads), else warm;
    the models loaded are counted once a second from the same log.
 3. Preloaded: every model loaded at registration, no budget: the baseline for warm latency.
-4. A `.pt2` model's cold load: the MLP of `benchmarks.models` as a `.pt2` archive, registered
+4. What a `/metrics` scrape of the preloaded server costs: a liveness request every 5 ms
+   while it is scraped five times.
+5. A `.pt2` model's cold load: the MLP of `benchmarks.models` as a `.pt2` archive, registered
    lazily three times under three names: the first request of each, and its load's seconds.
 
 Prints the figures with the targets (peak RSS <= budget + 10 %, no failed request, warm p99
@@ -311,6 +313,40 @@ def size_budget(store: Path, count: int, fit: int, clients: int) -> tuple[int, d
     }
 
 
+def scrape_stall(process: ServerProcess, scrapes: int = 5) -> dict[str, float]:
+    """What a Prometheus scrape of every model's metrics costs the other requests: a liveness
+    request every 5 ms from one client while `/metrics` is scraped `scrapes` times."""
+    stop = threading.Event()
+    pings: list[float] = []
+
+    def ping() -> None:
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                started = time.perf_counter()
+                http.get(f"{process.url}/v2/health/live")
+                pings.append(time.perf_counter() - started)
+                time.sleep(0.005)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    took = []
+    try:
+        time.sleep(0.5)
+        for _ in range(scrapes):
+            started = time.perf_counter()
+            scrape(process)
+            took.append(time.perf_counter() - started)
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        pinger.join()
+    return {
+        "scrape_ms_median": statistics.median(took) * 1000,
+        "liveness_ms_max": max(pings) * 1000,
+        "liveness_ms_median": statistics.median(pings) * 1000,
+    }
+
+
 def pt2_cold_loads(work: Path) -> dict[str, Any]:
     store = work / "pt2-store"
     archive = store / "mlp.mar"
@@ -367,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     lazy_figures = figures(lazy, args.seconds, cold)
     with server("preloaded", store) as process:
         preloaded = run(process, args.models, args.clients, args.seconds)
+        stall = scrape_stall(process)
     preloaded_figures = figures(preloaded, args.seconds, lambda s: False)
+    print(f"a scrape of {args.models} models: {json.dumps(report._rounded(stall))}")
     pt2 = pt2_cold_loads(WORK)
 
     warm_p99, base_p99 = lazy_figures["warm"]["p99_ms"], preloaded_figures["warm"]["p99_ms"]
@@ -406,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             "lazy": lazy_figures,
             "preloaded": preloaded_figures,
             "pt2": pt2,
+            "scrape": stall,
             "targets": targets,
         },
     )

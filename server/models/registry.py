@@ -136,9 +136,11 @@ class ModelRegistry:
             yield from list(versions.values())
 
     def all_versions(self) -> Iterator[RegisteredVersion]:
-        for versions in self._versions.values():
-            yield from versions.values()
-        yield from self._failed.values()
+        """Every version held, loaded or failed. Read from copies: a metrics scrape reads them
+        from a thread while the event loop registers and unregisters."""
+        for versions in list(self._versions.values()):
+            yield from list(versions.values())
+        yield from list(self._failed.values())
 
     def healthy(self) -> bool:
         """Every model that should be loaded is ready (TorchServe's /ping). A version scaled to
