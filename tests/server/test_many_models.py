@@ -123,6 +123,7 @@ def test_a_lazy_model_is_registered_ready_and_loads_on_its_first_request(
         labels = {"model": "m1", "version": "1.0"}
         assert metric(client, lazy_server, "scriptserve_model_loads_total", **labels) == 1
         assert metric(client, lazy_server, "scriptserve_model_load_waits_total", **labels) == 1
+        assert metric(client, lazy_server, "scriptserve_model_load_seconds_count") >= 1
         resident = metric(client, lazy_server, "scriptserve_model_resident_bytes", **labels)
         assert resident == after["residentBytes"]
         assert answer(infer(client, lazy_server, "m1")) == 1  # loaded now: no wait
@@ -383,3 +384,70 @@ def test_grpc_repository_and_snapshots_see_lazy_models(
             assert answer(infer(client, restarted, "pinned")) == 0
     finally:
         restarted.stop()
+
+
+def test_a_request_waits_for_its_model_to_load_no_longer_than_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """A load that takes longer than a request's deadline answers that request 504 on time;
+    the load goes on, and the next request is served by it."""
+    store = build_holders(tmp_path, [4], prefix="w", busy=6000)  # warm-up: 2 long calls
+    proc = ServerProcess(store, *LAZY).start()
+    try:
+        with httpx.Client(timeout=60) as client:
+            started = time.perf_counter()
+            late = infer(client, proc, "w0", **{"X-Request-Timeout": "0.2"})
+            waited = time.perf_counter() - started
+            assert late.status_code == 504, late.text
+            assert waited < 1.0, waited  # answered at its deadline, not at the load's end
+            assert memory(client, proc, "w0")["residence"] == "LOADING"
+            assert answer(infer(client, proc, "w0")) == 0  # the same load serves it
+            proc.wait(lambda c: memory(c, proc, "w0")["residence"] == "LOADED", 30)
+            labels = {"model": "w0", "version": "1.0"}
+            assert metric(client, proc, "scriptserve_model_loads_total", **labels) == 1
+    finally:
+        proc.stop()
+
+
+def test_zipf_traffic_with_process_workers_loses_nothing(tmp_path: Path) -> None:
+    """8 clients for 10 s over 3 models with process workers and room for 2 worker processes:
+    every request answered by the model it named while processes are stopped and started."""
+    store = build_holders(tmp_path, [8] * 3)
+    args = (*LAZY, "--worker-mode", "process")
+    sizing = ServerProcess(store, *args).start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            assert answer(infer(client, sizing, "m0")) == 0
+            sizing.wait(lambda c: memory(c, sizing, "m0")["residence"] == "LOADED", 30)
+            child = int(memory(client, sizing, "m0")["residentBytes"])  # type: ignore[call-overload]
+            baseline = int(metric(client, sizing, "scriptserve_memory_resident_bytes")) - child
+    finally:
+        sizing.stop()
+    budget = int(baseline + 2.4 * child)
+    proc = ServerProcess(store, *args, "--memory-budget", str(budget)).start()
+    outcomes: list[tuple[int, int, int]] = []
+
+    async def client_loop(http: httpx.AsyncClient, rng: random.Random, until: float) -> None:
+        body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]}
+        loop = asyncio.get_running_loop()
+        while loop.time() < until:
+            i = rng.choices(range(3), [1.0, 0.47, 0.3])[0]
+            response = await http.post(f"{proc.url}/v2/models/m{i}/infer", json=body)
+            got = int(response.json()["outputs"][0]["data"][0]) if response.is_success else -1
+            outcomes.append((i, response.status_code, got))
+
+    async def traffic() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            until = asyncio.get_running_loop().time() + 10.0
+            await asyncio.gather(*(client_loop(http, random.Random(s), until) for s in range(8)))
+
+    try:
+        asyncio.run(traffic())
+        with httpx.Client(timeout=10) as client:
+            evictions = metric(client, proc, "scriptserve_model_evictions_total")
+            assert client.get(f"{proc.url}/v2/health/ready").status_code == 200
+    finally:
+        proc.stop()
+    failed = [o for o in outcomes if o[1] != 200 or o[0] != o[2]]
+    assert not failed, failed[:5]
+    assert len(outcomes) > 20 and evictions >= 1
