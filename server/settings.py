@@ -146,6 +146,9 @@ class ServerSettings(BaseSettings):
     """Default worker kind: `thread` (fastest, shared memory) or `process` (a child process per
     worker, fed through shared memory: a crash, OOM kill or hang takes down one worker, which
     is replaced). A model's config (`workerMode`) or its registration may choose otherwise."""
+    workflow_store: Path | None = None
+    """Where `POST /workflows?url=NAME.war` finds workflow archives (TorchServe's
+    workflow_store); default: the model store."""
     memory_budget: str | None = None
     """The memory the server may hold, models included: bytes or a size (`2GiB`, `512MB`) or a
     share of its cgroup's limit or the machine's memory (`60%`). A load that would pass it

@@ -12,6 +12,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from scriptserve.server.inference.dataplane import DataPlane
 from scriptserve.server.models.management import Management
 from scriptserve.server.models.repository import ModelRepository
+from scriptserve.server.models.workflows import Workflows
 from scriptserve.server.observability.access_log import AccessLog
 from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.observability.tracing import Tracing
@@ -25,6 +26,10 @@ from scriptserve.server.rest.oip_extensions import REPOSITORY_PREFIX, add_reposi
 from scriptserve.server.rest.openai_embeddings import add_openai_routes
 from scriptserve.server.rest.protocol_routes import ProtocolRoutes
 from scriptserve.server.rest.shared_address import SharedAddress
+from scriptserve.server.rest.workflows import (
+    add_workflow_management_routes,
+    add_workflow_prediction_route,
+)
 from scriptserve.server.security import AccessKeys
 from scriptserve.server.settings import ServerSettings
 
@@ -66,6 +71,10 @@ def http_apps(
     add_kserve_v1_routes(inference, dataplane)
     add_openai_routes(inference, dataplane)
     add_repository_routes(inference, repository)
+    workflows = Workflows(management.registry, management, settings)
+    add_workflow_prediction_route(inference, dataplane, workflows, settings)
+    management_app = create_management_app(management, settings)
+    add_workflow_management_routes(management_app, workflows)
     observers = Observers(access, tracing)
     apps: list[tuple[str, Any, str]] = [
         (
@@ -85,7 +94,7 @@ def http_apps(
         (
             "management",
             guarded(
-                create_management_app(management, settings),
+                management_app,
                 keys,
                 "management",
                 limit,
