@@ -28,7 +28,7 @@ from scriptserve.server.inference.dataplane import DataPlane
 from scriptserve.server.models import snapshot
 from scriptserve.server.models.management import Management
 from scriptserve.server.models.object_store import sync_store
-from scriptserve.server.models.registry import ModelRegistry, find_archives
+from scriptserve.server.models.registry import ModelRegistry, find_archives, find_pipelines
 from scriptserve.server.models.repository import ModelRepository
 from scriptserve.server.observability.access_log import AccessLog
 from scriptserve.server.observability.metrics import ServerMetrics
@@ -170,6 +170,12 @@ async def load_startup_models(
                 registry.set_default(name, version)
             except ServingError as exc:
                 log.error("default version %s of model %s: %s", version, name, exc.message)
+    if settings.models == ["all"]:
+        for path in find_pipelines(settings.model_store):
+            try:
+                registry.pipelines.load(path, taken=set(registry.names()))
+            except ServingError as exc:
+                log.error("pipeline %s is not served: %s", path.name, exc.message)
 
 
 def start_tracing(settings: ServerSettings) -> Tracing:

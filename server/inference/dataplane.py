@@ -29,6 +29,7 @@ from scriptserve.server.errors import (
     DeadlineExceeded,
     InvalidInput,
     MethodNotAllowed,
+    ModelNotFound,
     ModelNotReady,
     ServingError,
     error_for_status,
@@ -44,7 +45,10 @@ from scriptserve.server.inference.admission import (
     served_by,
 )
 from scriptserve.server.inference.inflight import InFlight
+from scriptserve.server.inference.pipeline_run import run_pipeline
 from scriptserve.server.models.description import DescribesModels
+from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
+from scriptserve.server.models.pipelines import Pipeline
 from scriptserve.server.models.registry import ModelRegistry, ModelState, ModelVersion
 from scriptserve.server.observability.access_log import note_model
 from scriptserve.server.observability.metrics import ServerMetrics
@@ -156,7 +160,18 @@ class DataPlane(DescribesModels):
         return not self.starting and not self.draining and self.registry.healthy()
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
+        pipeline = self.registry.pipelines.get(name)
+        if pipeline is not None:
+            return not self.draining and all(
+                self._ready_or_false(step.model, step.version) for step in pipeline.steps
+            )
         return not self.draining and self.registry.get(name, version).ready
+
+    def _ready_or_false(self, name: str, version: str | None) -> bool:
+        try:
+            return self.registry.get(name, version).ready
+        except ServingError:
+            return False
 
     # -- inference ---------------------------------------------------------------------------
     def respond(
@@ -174,6 +189,9 @@ class DataPlane(DescribesModels):
         ServingError that ends the request, from the one callback that also counts it, unless
         the request is withdrawn first by calling the returned function. Raises ServingError
         when the request cannot be queued."""
+        pipeline = self.registry.pipelines.get(name)
+        if pipeline is not None:
+            return self._pipeline(pipeline, version, request, reply, protocol, timeout_s)
         call = Call(self, name, protocol, timeout_s)
         job = call.admit(version, request)
         mv = call.mv
@@ -194,6 +212,49 @@ class DataPlane(DescribesModels):
 
         job.future.add_done_callback(functools.partial(call.end, answer))
         return job.future.cancel
+
+    def _pipeline(
+        self,
+        pipeline: Pipeline,
+        version: str | None,
+        request: Request,
+        reply: Callable[[Served | BaseException], object],
+        protocol: str,
+        timeout_s: float | None,
+    ) -> Callable[[], object]:
+        """`respond` for a pipeline: its steps run as a task (pipeline_run.py) that replies."""
+        started = time.perf_counter()
+
+        def count(status: int) -> None:
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(pipeline.name, PIPELINE_VERSION, protocol, status, elapsed)
+
+        try:
+            if version not in (None, PIPELINE_VERSION):
+                raise ModelNotFound(
+                    f"pipeline {pipeline.name!r} has no version {version!r} (versions: "
+                    f"{PIPELINE_VERSION})"
+                )
+            if self.refusing:
+                raise ModelNotReady("the server is shutting down; retry on another replica")
+            given = request if isinstance(request, InferenceRequest) else _decoded(request)
+        except ServingError as exc:
+            count(exc.status)
+            raise
+        run = asyncio.ensure_future(run_pipeline(self.infer, pipeline, given, timeout_s, protocol))
+        self._inflight.enter_name(pipeline.name, PIPELINE_VERSION)
+
+        def done(task: asyncio.Task[Served]) -> None:
+            self._inflight.leave_name(pipeline.name, PIPELINE_VERSION)
+            if task.cancelled():
+                count(cancelled_status(started, timeout_s))
+                return
+            error = task.exception()
+            reply(error if error is not None else task.result())
+            count(200 if error is None else getattr(error, "status", 500))
+
+        run.add_done_callback(done)
+        return run.cancel
 
     async def infer(
         self,
@@ -379,3 +440,14 @@ class DataPlane(DescribesModels):
         """Stop taking traffic, let queues drain, stop every model."""
         self.draining = self.refusing = True
         await self.registry.close(self.settings.drain_timeout_s)
+
+
+def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
+    """A pipeline's request decoded on the loop (its steps take tensors, not the wire):
+    whatever cannot be decoded is the client's error."""
+    try:
+        return decode()
+    except ServingError:
+        raise
+    except Exception as exc:
+        raise InvalidInput(f"the request could not be decoded ({type(exc).__name__})") from None

@@ -25,12 +25,19 @@ class InFlight:
         return self._counts.get((name, version), 0)
 
     def enter(self, mv: ModelVersion) -> None:
-        key = (mv.name, mv.version)
+        self.enter_name(mv.name, mv.version)
+
+    def leave(self, mv: ModelVersion) -> None:
+        self.leave_name(mv.name, mv.version)
+
+    def enter_name(self, name: str, version: str) -> None:
+        """`enter` by name: a pipeline's request, which is no model version's."""
+        key = (name, version)
         self._counts[key] = self._counts.get(key, 0) + 1
         self._idle.clear()
 
-    def leave(self, mv: ModelVersion) -> None:
-        key = (mv.name, mv.version)
+    def leave_name(self, name: str, version: str) -> None:
+        key = (name, version)
         left = self._counts[key] - 1
         if left:
             self._counts[key] = left

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scriptserve import __version__
-from scriptserve.archiver.signature import TensorSpec
+from scriptserve.archiver.signature import Signature, TensorSpec
 from scriptserve.server.errors import ModelNotReady
 from scriptserve.server.models.model_configuration import model_configuration
+from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
+from scriptserve.server.models.pipelines import tensor_specs
 from scriptserve.server.models.registry import ModelRegistry, ModelVersion, RegisteredVersion
 from scriptserve.server.observability.metrics import ServerMetrics
 
@@ -115,13 +117,17 @@ class DescribesModels:
     metrics: ServerMetrics
 
     def model_names(self) -> list[str]:
-        """Every registered model, ready or not (KServe v1's model list)."""
-        return self.registry.names()
+        """Every registered model and pipeline, ready or not (KServe v1's model list)."""
+        return sorted([*self.registry.names(), *self.registry.pipelines.names()])
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
+        pipeline = self.registry.pipelines.get(name)
+        if pipeline is not None:
+            inputs, outputs = tensor_specs(pipeline, self._signature_of)
+            return ModelMetadata(name, [PIPELINE_VERSION], "ensemble", inputs, outputs)
         mv = self.registry.get(name, version)
         if mv.manifest is None:
             raise ModelNotReady(f"model {name!r} failed to load: {mv.reason}")
@@ -139,6 +145,12 @@ class DescribesModels:
         """Where models come and go (a memory budget, or this one lazy): its residence."""
         lazy = mv.residency is not None and mv.residency.lazy
         return memory_parameters(mv) if lazy or self.registry.memory.budget_bytes else {}
+
+    def _signature_of(self, name: str, version: str | None) -> Signature:
+        mv = self.registry.get(name, version)
+        if mv.manifest is None:
+            raise ModelNotReady(f"model {name!r} failed to load: {mv.reason}")
+        return mv.manifest.signature
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton's model configuration of a version, as JSON

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scriptserve.server.errors import InvalidInput, MethodNotAllowed, ServingError, invalid_fields
 from scriptserve.server.models.description import describe_version
+from scriptserve.server.models.pipelines import SUFFIX as PIPELINE_SUFFIX
+from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
 from scriptserve.server.models.profiling import ProfileOptions, Profiler, ProfileResult
 from scriptserve.server.models.registry import ModelRegistry, ModelVersion
 from scriptserve.server.security import fetch_archive, is_url
@@ -138,6 +140,13 @@ class Management:
             source = await fetch_archive(registration.url, self.settings)
         else:
             source = self.registry.resolve_source(registration.url)
+        if source.name.endswith(PIPELINE_SUFFIX):
+            pipeline = self.registry.pipelines.load(
+                source, registration.model_name, taken=set(self.registry.names())
+            )
+            self._changed()
+            steps = " -> ".join(step.model for step in pipeline.steps)
+            return True, f'Pipeline "{pipeline.name}" registered: {steps}'
         if not registration.synchronous:
             self._later(self._register_later(source, registration, downloaded))
             return False, ACCEPTED
@@ -190,6 +199,10 @@ class Management:
 
     async def unregister(self, name: str, version: str | None) -> str:
         self._require_model_api("unregistering")
+        if self.registry.pipelines.get(name) is not None:
+            self.registry.pipelines.remove(name)
+            self._changed()
+            return f'Pipeline "{name}" unregistered'
         mv = await self.registry.unload(name, version, self.settings.drain_timeout_s)
         self._changed()
         return f'Model "{mv.name}" version {mv.version} unregistered'
@@ -206,7 +219,18 @@ class Management:
         return await self.profiler.capture(self.registry.get(name, version), options)
 
     def describe(self, name: str, version: str | None = None) -> list[dict[str, Any]]:
-        """TorchServe's describe shape; `version` None = default, "all" = every version."""
+        """TorchServe's describe shape; `version` None = default, "all" = every version. A
+        pipeline is described by its steps."""
+        pipeline = self.registry.pipelines.get(name)
+        if pipeline is not None:
+            return [
+                {
+                    "modelName": name,
+                    "modelVersion": PIPELINE_VERSION,
+                    "modelUrl": pipeline.source.name,
+                    "pipeline": pipeline.describe(),
+                }
+            ]
         if version == "all":
             versions = self.registry.versions(name)
         elif version is None and name in self.registry.names():
@@ -230,11 +254,16 @@ class Management:
             raise InvalidInput("limit must be between 1 and 1000")
         if next_page_token < 0:
             raise InvalidInput("next_page_token must be >= 0")
-        names = self.registry.names()
+        pipelines = {p.name: p.source.name for p in self.registry.pipelines.all()}
+        names = sorted([*self.registry.names(), *pipelines])
         page = names[next_page_token : next_page_token + limit]
         body: dict[str, Any] = {
             "models": [
-                {"modelName": n, "modelUrl": self.registry.versions(n)[0].source.name} for n in page
+                {
+                    "modelName": n,
+                    "modelUrl": pipelines.get(n) or self.registry.versions(n)[0].source.name,
+                }
+                for n in page
             ]
         }
         if next_page_token + limit < len(names):

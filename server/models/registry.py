@@ -36,6 +36,8 @@ from scriptserve.server.models.model_version import (
     ModelVersion,
     RegisteredVersion,
 )
+from scriptserve.server.models.pipelines import SUFFIX as PIPELINE_SUFFIX
+from scriptserve.server.models.pipelines import Pipelines
 from scriptserve.server.observability.gauges import WorkerGauge
 from scriptserve.server.observability.metrics import ServerMetrics, VersionStats
 from scriptserve.server.settings import ServerSettings
@@ -57,7 +59,8 @@ ARCHIVE_SUFFIXES = (".mar", ".tar.gz", ".tgz")
 
 
 def find_archives(store: Path) -> list[Path]:
-    """Every archive in the model store: .mar, .tar.gz and no-archive directories."""
+    """Every archive in the model store: .mar, .tar.gz and no-archive directories (pipeline
+    files are `find_pipelines`')."""
     if not store.is_dir():
         return []
     found = []
@@ -68,6 +71,11 @@ def find_archives(store: Path) -> list[Path]:
         if is_archive or (path / "MAR-INF" / "MANIFEST.json").is_file():
             found.append(path)
     return found
+
+
+def find_pipelines(store: Path) -> list[Path]:
+    """Every pipeline file in the model store (`<name>.pipeline.yaml`)."""
+    return sorted(store.glob(f"*{PIPELINE_SUFFIX}")) if store.is_dir() else []
 
 
 def archive_stem(path: Path) -> str:
@@ -93,6 +101,8 @@ class ModelRegistry:
         self.memory = ModelMemory(settings.memory_budget_bytes(), metrics)
         """The memory budget, and the loads and unloads that keep it."""
         self.memory.watch(self.loaded_versions)
+        self.pipelines = Pipelines()
+        """Pipelines of the models held here, each served as a model (pipelines.py)."""
         self._versions: dict[str, dict[str, ModelVersion]] = {}
         self._defaults: dict[str, str] = {}
         self._failed: dict[str, FailedVersion] = {}
