@@ -50,10 +50,11 @@ from scriptserve.server.models.description import DescribesModels
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
 from scriptserve.server.models.pipelines import Pipeline
 from scriptserve.server.models.registry import ModelRegistry, ModelState, ModelVersion
-from scriptserve.server.observability.access_log import note_model
+from scriptserve.server.observability.access_log import note_model, pin_model
 from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.observability.tracing import note_answered, note_answered_when, note_queued
 from scriptserve.server.observability.tracing import note_model as trace_model
+from scriptserve.server.observability.tracing import pin_model as trace_pin
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.workers.batching import Job
 from scriptserve.server.workers.streaming import PartStream, StreamRefused
@@ -235,6 +236,8 @@ class DataPlane(DescribesModels):
                     f"pipeline {pipeline.name!r} has no version {version!r} (versions: "
                     f"{PIPELINE_VERSION})"
                 )
+            pin_model(pipeline.name, PIPELINE_VERSION)
+            trace_pin(pipeline.name, PIPELINE_VERSION)
             if self.refusing:
                 raise ModelNotReady("the server is shutting down; retry on another replica")
             given = request if isinstance(request, InferenceRequest) else _decoded(request)

@@ -74,6 +74,8 @@ class AccessRecord:
     bytes_sent: int = 0
     started: float = field(default_factory=time.perf_counter)
     latency_ms: float = 0.0
+    pinned: bool = False
+    """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
     def finish(self, status: int | str) -> None:
         self.status = status
@@ -105,10 +107,18 @@ def enter(record: AccessRecord) -> None:
     _current.set(record)
 
 
+def pin_model(name: str, version: str | None) -> None:
+    """The request is a pipeline's: its line names the pipeline, whatever its steps note."""
+    note_model(name, version)
+    record = _current.get()
+    if record is not None:
+        record.pinned = True
+
+
 def note_model(name: str, version: str | None) -> None:
     """The data plane resolved the request's model (and version, once known)."""
     record = _current.get()
-    if record is not None:
+    if record is not None and not record.pinned:
         record.model = name
         if version is not None:
             record.version = version

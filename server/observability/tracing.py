@@ -84,6 +84,8 @@ class RequestTrace:
     """time.monotonic() when the data plane answered; 0 when it did not (errors, streams)."""
     recording: bool = field(init=False)
     """Whether the span is sampled: only then are its children made."""
+    pinned: bool = False
+    """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
     def __post_init__(self) -> None:
         self.recording = self.span.is_recording()
@@ -119,10 +121,19 @@ def enter(trace: RequestTrace) -> None:
     _current.set(trace)
 
 
+def pin_model(name: str, version: str | None) -> None:
+    """The request is a pipeline's: its span names the pipeline, whatever its steps note; the
+    steps' jobs become its children all the same."""
+    note_model(name, version)
+    trace = _current.get()
+    if trace is not None:
+        trace.pinned = True
+
+
 def note_model(name: str, version: str | None) -> None:
     """The data plane resolved the request's model (and version, once known)."""
     trace = _current.get()
-    if trace is not None and trace.recording:
+    if trace is not None and trace.recording and not trace.pinned:
         trace.span.set_attribute("scriptserve.model.name", name)
         if version is not None:
             trace.span.set_attribute("scriptserve.model.version", version)

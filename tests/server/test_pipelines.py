@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from otlp import GrpcReceiver
 from serving import ServerProcess
 from torch import nn
 
@@ -206,3 +208,40 @@ def test_a_step_that_cannot_serve_makes_the_pipeline_unready_not_broken(
         gone = client.delete(f"{server.mgmt}/models/fork2")
         assert gone.status_code == 200 and "unregistered" in gone.text
         assert httpx.get(f"{server.url}/v2/models/fork2/ready").status_code == 404
+
+
+def test_a_pipeline_request_is_one_access_line_and_one_span_tree(
+    store: Path, tmp_path: Path
+) -> None:
+    """The access line and the server span name the pipeline (its steps do not replace it),
+    and each step's queue and batch are children of that span."""
+    receiver = GrpcReceiver()
+    access = tmp_path / "access.log"
+    proc = ServerProcess(
+        store, "--workers", "1", "--no-snapshot",
+        "--access-log", str(access), "--access-log-format", "json",
+        "--tracing", "--tracing-endpoint", receiver.endpoint, "--tracing-protocol", "grpc",
+        env={"OTEL_BSP_SCHEDULE_DELAY": "50"},
+    ).start()  # fmt: skip
+    try:
+        trace_id = secrets.token_hex(16)
+        headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01", "X-Request-Id": "p1"}
+        answer = httpx.post(
+            f"{proc.url}/v2/models/chain/infer", json=body(ROW), headers=headers, timeout=30
+        )
+        assert answer.status_code == 200, answer.text
+        spans = receiver.wait_for(
+            lambda all_: sum(s.trace_id == trace_id and s.name == "batch" for s in all_) >= 2
+        )
+    finally:
+        proc.stop()
+        receiver.stop()
+    mine = [s for s in spans if s.trace_id == trace_id]
+    (root,) = [s for s in mine if s.kind == "SERVER"]
+    assert root.attributes["scriptserve.model.name"] == "chain"
+    assert root.attributes["scriptserve.model.version"] == "1"
+    batches = [s for s in mine if s.name == "batch"]
+    assert len(batches) == 2 and all(s.parent_id == root.span_id for s in batches)
+    lines = [json.loads(line) for line in access.read_text().splitlines()]
+    (line,) = [entry for entry in lines if entry.get("request_id") == "p1"]
+    assert (line["model"], line["version"], line["status"]) == ("chain", "1", 200)
