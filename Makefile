@@ -108,6 +108,7 @@ bench: install
 	$(PYTHON) -m benchmarks.request_path --rounds 5 --seconds 6
 	$(PYTHON) -m benchmarks.switches
 	$(PYTHON) -m benchmarks.many_models
+	$(PYTHON) -m benchmarks.pipelines
 	$(PYTHON) -m benchmarks.http_load --scenarios B --repeats 2
 	$(PYTHON) -m benchmarks.pt2
 	test -f model_store/digits-torchscript.mar || $(PYTHON) -m scriptserve.training \

@@ -92,9 +92,14 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd
             )
-        self.wait(lambda c: c.get(f"{self.url}/v2/health/live").status_code == 200, timeout_s)
-        if wait_ready:
-            self.wait(lambda c: c.get(f"{self.url}/v2/health/ready").status_code == 200, timeout_s)
+        try:
+            self.wait(lambda c: c.get(f"{self.url}/v2/health/live").status_code == 200, timeout_s)
+            if wait_ready:
+                ready = f"{self.url}/v2/health/ready"
+                self.wait(lambda c: c.get(ready).status_code == 200, timeout_s)
+        except BaseException:
+            self.stop()  # a server that never came up must not outlive the test
+            raise
         return self
 
     def wait(self, check: object, timeout_s: float = 60.0) -> None:
