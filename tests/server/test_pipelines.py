@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from otlp import GrpcReceiver
 from serving import ServerProcess
 from torch import nn
 
+from benchmarks.models import build_holders
 from scriptserve.archiver.cli import model_archiver_main
 
 # Slow: a server with three models.
@@ -245,3 +247,40 @@ def test_a_pipeline_request_is_one_access_line_and_one_span_tree(
     lines = [json.loads(line) for line in access.read_text().splitlines()]
     (line,) = [entry for entry in lines if entry.get("request_id") == "p1"]
     assert (line["model"], line["version"], line["status"]) == ("chain", "1", 200)
+
+
+def test_the_clients_deadline_covers_the_whole_pipeline(server: ServerProcess) -> None:
+    late = httpx.post(
+        f"{server.url}/v2/models/chain/infer",
+        json=body(ROW),
+        headers={"X-Request-Timeout": "0.000001"},
+        timeout=30,
+    )
+    assert late.status_code == 504, late.text
+    assert "pipeline 'chain'" in late.json()["error"]
+
+
+def test_independent_steps_run_at_once(tmp_path: Path) -> None:
+    """Two steps that each take about half a second: the pipeline answers in about one."""
+    store = build_holders(tmp_path, [1, 1], prefix="slow", busy=5000)
+    (store / "both.pipeline.yaml").write_text(
+        "steps:\n"
+        "  - {model: slow0, inputs: {x: image}, outputs: {output0: a}}\n"
+        "  - {model: slow1, inputs: {x: image}, outputs: {output0: b}}\n"
+    )
+    proc = ServerProcess(store, "--workers", "1", "--no-snapshot").start()
+    try:
+        one = []
+        for name in ("slow0", "slow1"):
+            started = time.perf_counter()
+            alone = httpx.post(f"{proc.url}/v2/models/{name}/infer", json=body(ROW, "x"))
+            assert alone.status_code == 200, alone.text
+            one.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        both = httpx.post(f"{proc.url}/v2/models/both/infer", json=body(ROW), timeout=30)
+        took = time.perf_counter() - started
+    finally:
+        proc.stop()
+    assert both.status_code == 200, both.text
+    assert [o["name"] for o in both.json()["outputs"]] == ["a", "b"]
+    assert took < 0.8 * sum(one), (took, one)  # not one after the other

@@ -299,3 +299,14 @@ def test_a_failing_step_fails_its_request_alone_and_names_the_step(
     assert "step 'pre_processing'" in failed.text
     assert predict(server, "sequential", ROW).json() == {"result": [2 * x + 1 for x in ROW]}
     assert predict(server, "nope", ROW).status_code == 404
+
+
+def test_the_clients_deadline_covers_the_whole_workflow(server: ServerProcess) -> None:
+    late = httpx.post(
+        f"{server.url}/wfpredict/sequential",
+        json=ROW,
+        headers={"X-Request-Timeout": "0.000001"},
+        timeout=30,
+    )
+    assert late.status_code == 504, late.text
+    assert "workflow 'sequential'" in late.text
