@@ -11,7 +11,7 @@ from testmodels import save_torchscript
 
 from scriptserve.archiver.cli import model_archiver_main
 
-LEAK = re.compile(r"/tmp/|/work|site-packages|Traceback|File \"|\.py\b|shm|psm_")
+LEAK = re.compile(r"/tmp/|/work/|site-packages|Traceback|File \"|\.py\b|shm|psm_")
 """What an error body must never carry: paths, stack traces, shared-memory names, source files."""
 
 

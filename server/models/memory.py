@@ -264,11 +264,12 @@ class ModelMemory:
     def __init__(self, budget_bytes: int | None, metrics: ServerMetrics) -> None:
         self.budget_bytes = budget_bytes
         self.metrics = metrics
-        _load_runtime()
         if budget_bytes is not None:
             map_large_allocations()
         self.baseline_bytes = resident_bytes()
-        """The process's resident size before any model: the runtime and the libraries."""
+        """The process's resident size before any model. What a backend loads once (torch and
+        its kernels, onnxruntime) is loaded by the first model that needs it, and counted in
+        that model's first load: a server of `.pt2` models never imports torch."""
         self._versions: Callable[[], Iterable[ModelVersion]] = tuple
         self._process_bytes = 0
         """What the last worker process loaded held beyond its model files."""
@@ -449,14 +450,6 @@ class ModelMemory:
             why,
             human(freed),
         )
-
-
-def _load_runtime() -> None:
-    """What every model's workers use, loaded before the baseline is measured: torch, its CPU
-    kernels and thread pool."""
-    import torch
-
-    torch.ones(8, 8) @ torch.ones(8, 8)
 
 
 def _stop_workers(mv: ModelVersion) -> None:

@@ -65,6 +65,20 @@ _UNREADABLE = (OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile, yam
 """What reading a `.war` that is not one raises."""
 
 
+def _reason(exc: BaseException) -> str:
+    """What was wrong with a `.war`, in words that name no server path."""
+    if isinstance(exc, KeyError):
+        return f"its WAR-INF/MANIFEST.json has no {exc.args[0]!r}"
+    if isinstance(exc, OSError):
+        name = Path(exc.filename).name if exc.filename else "a file"
+        return f"{name} is missing or cannot be read"
+    if isinstance(exc, yaml.YAMLError):
+        return "its specification is not YAML"
+    if isinstance(exc, zipfile.BadZipFile):
+        return "it is not a zip file"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class WorkflowError(InvalidInput):
     """A `.war` or specification that cannot be served; the message says what to fix."""
 
@@ -258,7 +272,7 @@ class Workflows:
         except _UNREADABLE as exc:
             shutil.rmtree(directory, ignore_errors=True)
             raise WorkflowError(
-                f"{url} is not a workflow archive torch-workflow-archiver makes ({exc})"
+                f"{url} is not a workflow archive torch-workflow-archiver makes: {_reason(exc)}"
             ) from None
         if workflow_name in self._workflows:
             raise Conflict(f"workflow {workflow_name!r} is already registered")

@@ -76,6 +76,7 @@ def sizes(store: Path) -> tuple[int, int]:
         with httpx.Client(timeout=60) as client:
             assert answer(infer(client, proc, "m0")) == 0
             assert answer(infer(client, proc, "m1")) == 1
+            proc.wait(lambda c: memory(c, proc, "m1")["residence"] == "LOADED", 10)
             held = int(metric(client, proc, "scriptserve_memory_resident_bytes"))
             resident = int(memory(client, proc, "m1")["residentBytes"])  # type: ignore[call-overload]
     finally:
