@@ -345,7 +345,9 @@ class ModelMemory:
             if mv.settings.worker_mode == "process":
                 measured = sum(resident_bytes(pid) for pid in _worker_pids(mv))
             else:
-                measured = max(0, resident_bytes() - before)
+                # At least its files: other threads free memory while it loads, and the
+                # growth alone could then say less than its weights take.
+                measured = max(residency.files_bytes, resident_bytes() - before)
             seconds = time.perf_counter() - started
             if mv.settings.worker_mode == "process":
                 self._process_bytes = max(0, measured // workers - residency.files_bytes)
@@ -424,7 +426,6 @@ class ModelMemory:
             for mv in self._versions()
             if mv is not wanted
             and mv.residency.evictable
-            and mv.residency.resident_bytes > 0
             and mv.residency.loading is None
             and not mv.unloading
             and mv.pool.size > 0
@@ -437,18 +438,23 @@ class ModelMemory:
         first, on the loop, so that a request arriving meanwhile queues for the next load
         (or is taken by a worker that has not stopped yet, and served by this one)."""
         residency = mv.residency
-        freed = residency.resident_bytes
         residency.parked = True
         residency.resident_bytes = 0
         residency.evictions += 1
+        before = resident_bytes()
         await asyncio.to_thread(_stop_workers, mv)
+        freed = before - resident_bytes()
+        if mv.settings.worker_mode != "process":
+            # What it gave back is what its next load will take: its first load also held what
+            # the process sets up once (torch, its kernels), which stays after it.
+            residency.estimate_bytes = max(residency.files_bytes, freed)
         self.metrics.model_evictions.labels(mv.name, mv.version).inc()
         log.info(
             "model=%s version=%s unloaded %s: %s freed",
             mv.name,
             mv.version,
             why,
-            human(freed),
+            human(max(0, freed)),
         )
 
 
