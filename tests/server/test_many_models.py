@@ -225,7 +225,7 @@ def test_a_pinned_model_stays_and_a_full_budget_answers_503(
 def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
     store: Path, sizes: tuple[int, int]
 ) -> None:
-    """32 clients for 8 s, model i chosen with weight 1/(i+1)^1.1, a budget for 3 of the 6:
+    """32 clients for 5 s, model i chosen with weight 1/(i+1)^1.1, a budget for 3 of the 6:
     every request answered 200 by the model it named, while models are evicted and reloaded."""
     budget = budget_for(sizes, 3.5)
     proc = ServerProcess(store, *LAZY, "--memory-budget", budget)
@@ -245,7 +245,7 @@ def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
     async def traffic() -> None:
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            until = asyncio.get_running_loop().time() + 8.0
+            until = asyncio.get_running_loop().time() + 5.0
             await asyncio.gather(
                 *(client_loop(client, random.Random(seed), until) for seed in range(32))
             )
@@ -308,7 +308,7 @@ def test_a_model_running_a_request_is_waited_for_not_unloaded(
     s0 to finish rather than unloading it under its request; then s0 makes room."""
     store = build_holders(tmp_path, [MODEL_MIB] * 2, prefix="s", busy=8000)
     budget = budget_for(sizes, 1.5)
-    proc = ServerProcess(store, *LAZY, "--memory-budget", budget).start()
+    proc = ServerProcess(store, *LAZY, "--memory-budget", budget, "--no-warmup").start()
     try:
         with httpx.Client(timeout=120) as client:
             assert answer(infer(client, proc, "s0")) == 0  # loaded (and timed)
@@ -411,7 +411,7 @@ def test_a_request_waits_for_its_model_to_load_no_longer_than_its_deadline(
 
 
 def test_zipf_traffic_with_process_workers_loses_nothing(tmp_path: Path) -> None:
-    """8 clients for 10 s over 3 models with process workers and room for 2 worker processes:
+    """8 clients for 6 s over 3 models with process workers and room for 2 worker processes:
     every request answered by the model it named while processes are stopped and started."""
     store = build_holders(tmp_path, [8] * 3)
     args = (*LAZY, "--worker-mode", "process")
@@ -439,7 +439,7 @@ def test_zipf_traffic_with_process_workers_loses_nothing(tmp_path: Path) -> None
 
     async def traffic() -> None:
         async with httpx.AsyncClient(timeout=120) as http:
-            until = asyncio.get_running_loop().time() + 10.0
+            until = asyncio.get_running_loop().time() + 6.0
             await asyncio.gather(*(client_loop(http, random.Random(s), until) for s in range(8)))
 
     try:
