@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 # Slow: workers failing and servers draining under load.
 pytestmark = pytest.mark.slow
 
-CHURN_S = 20.0
+CHURN_S = 12.0
 """How long the management thread keeps changing `churn`."""
 ANSWER_BOUND_S = 10.0
 """No request may take longer (they take milliseconds; the response timeout is 120 s)."""

@@ -63,7 +63,10 @@ def metric(client: httpx.Client, server: ServerProcess, name: str, **labels: str
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_holders(tmp_path_factory.mktemp("many"), [MODEL_MIB] * MODELS)
+    # Stored, not deflated: random weights do not compress (13 s to try for six, against 1.4).
+    return build_holders(
+        tmp_path_factory.mktemp("many"), [MODEL_MIB] * MODELS, archive_format="zip-store"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +271,14 @@ def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
     assert resident <= int(budget) * 1.1
 
 
-def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
-    store: Path,
-) -> None:
-    """A process worker's resident size is its whole process (Python, torch, the weights): the
-    budget counts it so, and unloading a model stops its process."""
-    args = (*LAZY, "--worker-mode", "process")
-    sizing = ServerProcess(store, *args).start()
+PROCESS = (*LAZY, "--worker-mode", "process")
+
+
+@pytest.fixture(scope="module")
+def process_sizes(store: Path) -> tuple[int, int]:
+    """What a server with process workers and no budget measures: its baseline (the server
+    process before any model) and one model's worker process."""
+    sizing = ServerProcess(store, *PROCESS).start()
     try:
         with httpx.Client(timeout=120) as client:
             assert answer(infer(client, sizing, "m0")) == 0
@@ -283,10 +287,19 @@ def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
             baseline = int(metric(client, sizing, "scriptserve_memory_baseline_bytes"))
     finally:
         sizing.stop()
+    return baseline, child
+
+
+def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
+    store: Path, process_sizes: tuple[int, int]
+) -> None:
+    """A process worker's resident size is its whole process (Python, torch, the weights): the
+    budget counts it so, and unloading a model stops its process."""
+    baseline, child = process_sizes
     assert child > MODEL_MIB * 2**20  # the weights and a Python process with torch
 
     budget = str(int(baseline + 1.5 * child))
-    proc = ServerProcess(store, *args, "--memory-budget", budget).start()
+    proc = ServerProcess(store, *PROCESS, "--memory-budget", budget).start()
     try:
         with httpx.Client(timeout=120) as client:
             for name, ident in (("m0", 0), ("m1", 1), ("m0", 0), ("m1", 1)):
@@ -306,7 +319,9 @@ def test_a_model_running_a_request_is_waited_for_not_unloaded(
 ) -> None:
     """Room for one model and a half: while s0 runs a long request, a request to s1 waits for
     s0 to finish rather than unloading it under its request; then s0 makes room."""
-    store = build_holders(tmp_path, [MODEL_MIB] * 2, prefix="s", busy=8000)
+    store = build_holders(
+        tmp_path, [MODEL_MIB] * 2, prefix="s", archive_format="zip-store", busy=2000
+    )
     budget = budget_for(sizes, 1.5)
     proc = ServerProcess(store, *LAZY, "--memory-budget", budget, "--no-warmup").start()
     try:
@@ -392,7 +407,7 @@ def test_a_request_waits_for_its_model_to_load_no_longer_than_its_deadline(
 ) -> None:
     """A load that takes longer than a request's deadline answers that request 504 on time;
     the load goes on, and the next request is served by it."""
-    store = build_holders(tmp_path, [4], prefix="w", busy=6000)  # warm-up: 2 long calls
+    store = build_holders(tmp_path, [4], prefix="w", busy=3000)  # warm-up: 2 long calls
     proc = ServerProcess(store, *LAZY).start()
     try:
         with httpx.Client(timeout=60) as client:
@@ -410,22 +425,15 @@ def test_a_request_waits_for_its_model_to_load_no_longer_than_its_deadline(
         proc.stop()
 
 
-def test_zipf_traffic_with_process_workers_loses_nothing(tmp_path: Path) -> None:
-    """8 clients for 6 s over 3 models with process workers and room for 2 worker processes:
-    every request answered by the model it named while processes are stopped and started."""
-    store = build_holders(tmp_path, [8] * 3)
-    args = (*LAZY, "--worker-mode", "process")
-    sizing = ServerProcess(store, *args).start()
-    try:
-        with httpx.Client(timeout=120) as client:
-            assert answer(infer(client, sizing, "m0")) == 0
-            sizing.wait(lambda c: memory(c, sizing, "m0")["residence"] == "LOADED", 30)
-            child = int(memory(client, sizing, "m0")["residentBytes"])  # type: ignore[call-overload]
-            baseline = int(metric(client, sizing, "scriptserve_memory_resident_bytes")) - child
-    finally:
-        sizing.stop()
+def test_zipf_traffic_with_process_workers_loses_nothing(
+    store: Path, process_sizes: tuple[int, int]
+) -> None:
+    """8 clients for 6 s over 3 models (m0-m2) with process workers and room for 2 worker
+    processes: every request answered by the model it named while processes are stopped and
+    started."""
+    baseline, child = process_sizes
     budget = int(baseline + 2.4 * child)
-    proc = ServerProcess(store, *args, "--memory-budget", str(budget)).start()
+    proc = ServerProcess(store, *PROCESS, "--memory-budget", str(budget)).start()
     outcomes: list[tuple[int, int, int]] = []
 
     async def client_loop(http: httpx.AsyncClient, rng: random.Random, until: float) -> None:

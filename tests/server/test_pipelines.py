@@ -262,7 +262,7 @@ def test_the_clients_deadline_covers_the_whole_pipeline(server: ServerProcess) -
 
 def test_independent_steps_run_at_once(tmp_path: Path) -> None:
     """Two steps that each take about half a second: the pipeline answers in about one."""
-    store = build_holders(tmp_path, [1, 1], prefix="slow", busy=5000)
+    store = build_holders(tmp_path, [1, 1], prefix="slow", busy=2000)
     (store / "both.pipeline.yaml").write_text(
         "steps:\n"
         "  - {model: slow0, inputs: {x: image}, outputs: {output0: a}}\n"
