@@ -4,16 +4,17 @@ PYTHON ?= python3
 DEMO_DIR ?= build/demo
 
 IMAGE ?= scriptserve:cpu
+GPU_IMAGE ?= scriptserve:gpu
 BASE_IMAGE ?= python:3.11-slim
 BUILDAH ?= buildah
 
-.PHONY: install install-serve demo demo-archive demo-textgen digits test check lint bench gen-proto image
+.PHONY: install install-serve demo demo-archive demo-textgen digits test check lint bench gen-proto image image-gpu
 
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-# What serving and training need (the runtime dependencies and the `train` extra): `make demo`.
+# What serving and training need (the runtime dependencies, the `train` and `onnx` extras): `make demo`.
 install-serve:
-	$(PIP_INSTALL) -e '.[train]'
+	$(PIP_INSTALL) -e '.[train,onnx]'
 
 # Everything, test and lint tools included (the `dev` extra): `make test`, `make lint`. kserve
 # (its REST client, for the KServe v1 test) without its dependencies: see pyproject's dev extra.
@@ -67,6 +68,13 @@ image:
 	PYTHON=$(PYTHON) docker/wheelhouse.sh build/wheelhouse
 	$(BUILDAH) bud --isolation chroot --format docker --build-arg BASE_IMAGE=$(BASE_IMAGE) \
 		-f docker/Dockerfile -t $(IMAGE) .
+
+# The GPU image (docker/Dockerfile.gpu): the same scriptserve wheel, PyTorch's CUDA build and the
+# gpu extra, fetched as it builds (it needs PyPI, the PyTorch index and NVIDIA's registry).
+image-gpu:
+	command -v $(BUILDAH) >/dev/null || (apt-get update -qq && apt-get install -y -qq buildah)
+	PYTHON=$(PYTHON) docker/wheelhouse.sh --project-only build/gpu-wheel
+	$(BUILDAH) bud --isolation chroot --format docker -f docker/Dockerfile.gpu -t $(GPU_IMAGE) .
 
 # mypy checks the package as it is imported (`scriptserve.*`) through build/typecheck/, a tree of
 # links to the package's folders; lint-imports checks the architecture's import rules (the

@@ -12,9 +12,11 @@ their deprecation warnings are filtered locally around each call.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,24 @@ _ORT_TYPES = {
 
 class ModelFileError(ValueError):
     """A model file that does not load or does not run; the message says what failed."""
+
+
+ONNXRUNTIME_MISSING = (
+    "ONNX models need ONNX Runtime, which this installation lacks: install "
+    "'scriptserve[onnx]' (the CPU build) or 'scriptserve[gpu]' (CUDA and TensorRT)"
+)
+"""ONNX Runtime is an extra, not a dependency: its CPU and GPU builds are two packages that
+install the same module, so `pip install scriptserve[gpu]` could not replace a CPU build that
+came with the package itself."""
+
+
+def import_onnxruntime() -> ModuleType:
+    """The `onnxruntime` module, or ModelFileError naming the extra that installs it."""
+    try:
+        module = importlib.import_module("onnxruntime")
+    except ImportError:
+        raise ModelFileError(ONNXRUNTIME_MISSING) from None
+    return module
 
 
 def probe_model(
@@ -86,8 +106,8 @@ def check_onnx_external_data(path: Path) -> None:
 
 def _probe_onnx(path: Path, sample: Mapping[str, np.ndarray] | None) -> Signature:
     import onnx
-    import onnxruntime as ort
 
+    ort = import_onnxruntime()
     check_onnx_external_data(path)
     try:
         onnx.checker.check_model(str(path))

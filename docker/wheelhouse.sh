@@ -1,6 +1,8 @@
 #!/bin/sh
 # Every wheel the CPU image installs, into DIR (default build/wheelhouse), so that the image
 # builds with no network:   docker/wheelhouse.sh [DIR]
+# Only scriptserve's own wheel, the one both images install (the GPU image takes its other
+# packages from the indexes as it builds):   docker/wheelhouse.sh --project-only DIR
 #
 # `pip wheel -c constraints.txt` takes torch==2.13.0, the CPU wheel (no CUDA packages). The
 # wheels are for the Python running this script: use the same minor version as the image's
@@ -9,6 +11,11 @@
 # rebuilt every time, from a clean copy of its packages (no stale build/lib).
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
+project_only=false
+if [ "${1:-}" = "--project-only" ]; then
+    project_only=true
+    shift
+fi
 dir=${1:-$root/build/wheelhouse}
 python=${PYTHON:-python3}
 mkdir -p "$dir"
@@ -25,11 +32,16 @@ done
 find "$src" -name __pycache__ -prune -exec rm -rf {} +
 
 rm -f "$dir"/scriptserve-*.whl
+if $project_only; then
+    "$python" -m pip wheel -q --no-deps -w "$dir" "$src"
+    exit 0
+fi
 if [ "$(cat "$dir/.inputs" 2>/dev/null || true)" = "$want" ]; then
     "$python" -m pip wheel -q --no-deps -w "$dir" "$src"
 else
     rm -f "$dir"/*.whl "$dir/.inputs"
-    "$python" -m pip wheel -q -c "$root/constraints.txt" -w "$dir" "$src"
+    # The onnx extra: the CPU build of ONNX Runtime.
+    "$python" -m pip wheel -q -c "$root/constraints.txt" -w "$dir" "$src[onnx]"
     echo "$want" > "$dir/.inputs"
 fi
 if ls "$dir" | grep -Eiq '^nvidia[-_]|^triton-|[+]cu[0-9]+'; then

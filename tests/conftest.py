@@ -82,7 +82,7 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 # Fixtures whose making takes half a minute to minutes of child processes: what starts them in
 # the background (headstart.py) once collection shows they will be used. The `.pt2` archives of
 # pt2models.py get one too, for the test modules that import the functions that give them.
-HEAD_STARTS = ("built_image", "runtime_venv", "zoo", "trained", "qat_run")
+HEAD_STARTS = ("built_image", "runtime_venv", "gpu_layer", "zoo", "trained", "qat_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that the `slow` marks added count
@@ -120,6 +120,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import distribution
 
         headstart.start("runtime_venv", distribution.runtime_venv)
+    if "gpu_layer" in used:
+        import distribution
+
+        headstart.start("gpu_layer", distribution.gpu_layer)
     if "zoo" in used:
         import zoo_archives
 

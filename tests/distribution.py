@@ -7,6 +7,7 @@ tests/packaging/conftest.py wraps them as fixtures.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -73,3 +74,27 @@ def runtime_venv() -> Path:
         capture_output=True,
     )  # fmt: skip
     return venv / "bin"
+
+
+def gpu_layer() -> tuple[Path, str]:
+    """The GPU image's Python layer made on this machine as docker/Dockerfile.gpu makes it: the
+    wheel from `docker/wheelhouse.sh --project-only`, then `docker/gpu-layer.sh` (torch from
+    pip's own index here, the CPU build, in place of the CUDA index). Returns the environment's
+    bin/ folder and what the script printed; the caller deletes `bin/../..` when done."""
+    root = Path(tempfile.mkdtemp(prefix="scriptserve-gpu-layer-"))
+    subprocess.run(
+        [str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(root / "wheels")],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    done = subprocess.run(
+        [str(REPO / "docker" / "gpu-layer.sh"), str(root / "venv"), str(root / "wheels")],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "TORCH_INDEX_URL": ""},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"gpu-layer.sh failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return root / "venv" / "bin", done.stdout

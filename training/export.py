@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from scriptserve.archiver.manifest import Pt2Info
-from scriptserve.archiver.model_file import ModelFileError
+from scriptserve.archiver.model_file import ModelFileError, import_onnxruntime
 from scriptserve.archiver.pt2_check import PackageRunner, check_package
 from scriptserve.archiver.pt2_export import compile_options, compile_package, export_model
 from scriptserve.archiver.quantize import (
@@ -96,7 +96,7 @@ def run_torchscript(path: Path, inputs: np.ndarray) -> np.ndarray:
 
 
 def run_onnx(path: Path, inputs: np.ndarray) -> np.ndarray:
-    import onnxruntime as ort
+    ort = import_onnxruntime()
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1

@@ -20,6 +20,7 @@ from scriptserve.archiver.int8.conversion import (
     Int8Converter,
     QuantizeOptions,
 )
+from scriptserve.archiver.model_file import ModelFileError, import_onnxruntime
 
 _INT8_OPS = {
     "MatMulInteger",
@@ -39,6 +40,11 @@ class _PreprocessingHintFilter(logging.Filter):
 def convert(src: Path, dst: Path, options: QuantizeOptions) -> Int8Conversion:
     """Write the int8 version of `src` to `dst`."""
     import onnx
+
+    try:
+        import_onnxruntime()
+    except ModelFileError as exc:  # the message names the extra that installs it
+        raise QuantizationError(str(exc)) from None
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     types = {"qint8": QuantType.QInt8, "quint8": QuantType.QUInt8}
@@ -76,13 +82,11 @@ def measuring(options: QuantizeOptions) -> AbstractContextManager[None]:
 
 
 def versions() -> dict[str, str]:
-    import onnxruntime
-
-    return {"onnxruntime": onnxruntime.__version__}
+    return {"onnxruntime": import_onnxruntime().__version__}
 
 
 def _runner(path: Path, threads: int) -> Runner:
-    import onnxruntime as ort
+    ort = import_onnxruntime()
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from scriptserve.archiver.manifest import Manifest, ModelFormat
+from scriptserve.archiver.model_file import ONNXRUNTIME_MISSING
 
 
 class BackendError(RuntimeError):
@@ -75,7 +76,12 @@ def load_backend(
 
         return Pt2Backend(path, device, intra_op_threads, manifest, workers)
     if fmt == "onnx":
-        from scriptserve.handlers.backends.onnx import OnnxBackend
+        try:
+            from scriptserve.handlers.backends.onnx import OnnxBackend
+        except ImportError as exc:
+            if exc.name != "onnxruntime":
+                raise
+            raise BackendError(ONNXRUNTIME_MISSING) from None
 
         return OnnxBackend(path, device, intra_op_threads, options or {})
     from scriptserve.handlers.backends.torchscript import TorchScriptBackend

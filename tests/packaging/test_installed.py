@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 from serving import ServerProcess
-from testmodels import reference_output, save_torchscript
+from testmodels import reference_output, save_onnx, save_torchscript
 
 import scriptserve
+from scriptserve.archiver.cli import model_archiver_main
 
 # The first test to use the venv waits for its install (about a minute with pip's cache warm).
 # Slow: a fresh virtual environment installed from the wheel.
@@ -111,3 +112,22 @@ def test_register_from_url_and_predict(
     assert status == 200, f"{answer}\n{server.output()}"
     expected = reference_output(np.array([ROW], dtype=np.float32))[0]
     np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
+
+    # Without an onnx or gpu extra there is no ONNX Runtime: an ONNX model is refused, by the
+    # archiver and by the server, with the extra to install named.
+    onnx_model = save_onnx(tmp_path / "tiny.onnx")
+    refused = subprocess.run(
+        [str(runtime_venv / "model-archiver"), "--model-name", "tiny_onnx", "--version", "1.0",
+         "--serialized-file", str(onnx_model), "--export-path", str(site)],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "scriptserve[onnx]" in refused.stderr and "scriptserve[gpu]" in refused.stderr
+    argv = ["--model-name", "tiny_onnx", "--version", "1.0", "--serialized-file", str(onnx_model)]
+    assert model_archiver_main([*argv, "--export-path", str(site)]) == 0  # this checkout's
+    url = urllib.parse.quote(f"{archive_site}/tiny_onnx.mar", safe="")
+    status, answer = call("POST", f"{server.mgmt}/models?url={url}", Authorization=key)
+    assert status >= 400, answer
+    assert "scriptserve[onnx]" in str(answer), f"{answer}\n{server.output()}"
+    status, _ = call("POST", f"{server.url}/predictions/tiny", json.dumps(ROW).encode())
+    assert status == 200  # the other model serves on
