@@ -167,6 +167,9 @@ class Context:
     with the model's name and version."""
     metric_declarations: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
     """TorchServe's metrics.yaml model metrics: (kind, name, unit, dimension names) each."""
+    tensorrt_cache: Path | None = None
+    """Where TensorRT keeps this model's engines (the server's `tensorrt_cache_dir`), or None:
+    no TensorRT (handlers/backends/onnx.py)."""
     service_envelope: str = "body"
     """How a TorchServe handler sees KServe's protocols (TorchServe's `service_envelope`:
     `body`, `kserve` or `kservev2`; handlers/torchserve/adapter.py)."""
@@ -209,12 +212,15 @@ class BaseHandler:
         from scriptserve.handlers.backends import load_backend
 
         self.context = context
+        options = dict(context.model_config)
+        if context.tensorrt_cache is not None:
+            options["tensorrt_cache_dir"] = str(context.tensorrt_cache)
         self.model = load_backend(
             context.serialized_file,
             context.manifest.model_format,
             device=context.device,
             intra_op_threads=context.intra_op_threads,
-            options=context.model_config,
+            options=options,
             manifest=context.manifest,
             workers=context.workers,
         )

@@ -114,6 +114,11 @@ class ServerSettings(BaseSettings):
     """`auto` uses every visible GPU (one worker each) when CUDA is available, else the CPU."""
     intra_op_threads: int = Field(default=1, ge=1)
     """Threads each worker's model call may use; workers x this stays within the cores."""
+    tensorrt_cache_dir: Path | None = None
+    """Where ONNX models on GPUs keep the engines TensorRT builds for them (one folder per model
+    version, reused across restarts). Set, ONNX Runtime's TensorRT provider runs them ahead of
+    its CUDA provider wherever TensorRT is installed (a model's config opts out with
+    `tensorrt: false`); unset, TensorRT is not used."""
     workers_per_model: Annotated[int | None, FlagAliases("--workers")] = Field(default=None, ge=1)
     """Default workers per model: cores / intra-op threads on CPU, one per GPU."""
 

@@ -91,6 +91,11 @@ class ModelLoader:
                 workers=settings.workers,
                 metric_declarations=self.metric_declarations,
                 service_envelope=self.settings.service_envelope,
+                tensorrt_cache=(
+                    self.settings.tensorrt_cache_dir / f"{name}-{version}"
+                    if self.settings.tensorrt_cache_dir is not None
+                    else None
+                ),
             )
             batcher = DynamicBatcher(
                 settings.batch_size, settings.max_batch_delay_ms / 1000.0, settings.queue_size

@@ -160,6 +160,9 @@ class ModelSettings(BaseModel):
             for key, value in config.items():
                 if key in _CONFIG_KEYS:
                     values[_CONFIG_KEYS[key]], given[_CONFIG_KEYS[key]] = value, key
+                elif key == "device":
+                    values["device_type"], values["device_ids"] = placement(value)
+                    given["device_type"] = given["device_ids"] = key
         for key, value in (overrides or {}).items():
             if key not in cls.model_fields:
                 raise ModelSettingsError(f"unknown model setting {key!r}")
@@ -200,6 +203,24 @@ _CONFIG_KEYS: dict[str, str] = {
     for key in field.validation_alias.choices
     if isinstance(key, str) and key != name
 } | {"worker_mode": "worker_mode", "load": "load", "evictable": "evictable"}
+
+
+def placement(device: Any) -> tuple[str, tuple[int, ...] | None]:
+    """A model config's `device` as deviceType and deviceIds: `cpu`; `cuda` (every visible GPU);
+    `cuda:1`; `cuda:0,2` (those GPUs, workers round-robin over them)."""
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return "cpu", None
+    kind, _, ids = text.partition(":")
+    if kind in ("cuda", "gpu"):
+        if not ids:
+            return "gpu", None
+        parts = [p.strip() for p in ids.split(",")]
+        if all(p.isdigit() for p in parts):
+            return "gpu", tuple(int(p) for p in parts)
+    raise ModelSettingsError(
+        f"invalid model setting: device {device!r}: use cpu, cuda, cuda:N or cuda:N,M"
+    )
 
 
 def _one_line(exc: ValidationError, given: dict[str, str]) -> str:

@@ -191,3 +191,42 @@ def test_torchscript_fp16_on_cuda_stays_close(torchscript_file: Path) -> None:
 
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, reference_output(x), atol=1e-2)
+
+
+GPU_BUILD = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+"""What onnxruntime-gpu lists, on any machine (the `gpu` extra)."""
+
+
+def test_onnx_on_a_gpu_takes_cuda_then_the_cpu_and_tensorrt_only_with_its_cache(
+    tmp_path: Path,
+) -> None:
+    from scriptserve.handlers.backends.onnx import providers
+
+    assert providers("cpu", GPU_BUILD, {}) == ["CPUExecutionProvider"]
+    cuda = [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    assert providers("cuda:1", GPU_BUILD, {}, tensorrt=True) == cuda  # no engine cache set
+    cache = tmp_path / "trt" / "m-1.0"
+    with_cache = {"tensorrt_cache_dir": str(cache)}
+    first, *rest = providers("cuda:1", GPU_BUILD, with_cache, tensorrt=True)
+    assert rest == cuda
+    assert first == (
+        "TensorrtExecutionProvider",
+        {
+            "device_id": 1,
+            "trt_engine_cache_enable": True,
+            "trt_engine_cache_path": str(cache),
+            "trt_timing_cache_enable": True,
+            "trt_timing_cache_path": str(cache),
+        },
+    )
+    assert cache.is_dir()  # made for TensorRT to write its engines into
+    assert providers("cuda:1", GPU_BUILD, with_cache, tensorrt=False) == cuda  # not installed
+    opted_out = {**with_cache, "tensorrt": False}
+    assert providers("cuda:1", GPU_BUILD, opted_out, tensorrt=True) == cuda
+    without_trt = ["CUDAExecutionProvider", "CPUExecutionProvider"]  # a build without it
+    assert providers("cuda:1", without_trt, with_cache, tensorrt=True) == cuda
+
+
+def test_onnx_on_a_gpu_with_the_cpu_build_is_refused_naming_the_gpu_extra(tmp_path: Path) -> None:
+    with pytest.raises(BackendError, match=r"no CUDA provider: install 'scriptserve\[gpu\]'"):
+        load_backend(save_onnx(tmp_path / "tiny.onnx"), "onnx", device="cuda:0")

@@ -201,3 +201,31 @@ def test_model_settings_are_immutable() -> None:
     m = ModelSettings.resolve(server_settings(), {})
     with pytest.raises(ValueError, match="frozen"):
         m.batch_size = 4
+
+
+@pytest.mark.parametrize(
+    ("device", "devices", "workers"),
+    [
+        ("cpu", ["cpu"], 2),
+        ("cuda", ["cuda:0", "cuda:1", "cuda:2"], 2),  # the server's workers_per_model
+        ("cuda:1", ["cuda:1"], 1),
+        ("cuda:0,2", ["cuda:0", "cuda:2"], 2),
+        ("CUDA:2", ["cuda:2"], 1),
+    ],
+)
+def test_a_model_configs_device_places_its_workers(
+    device: str, devices: list[str], workers: int
+) -> None:
+    """`device:` in a model's config is the short form of deviceType and deviceIds: workers go
+    round-robin over the GPUs it names, one per named GPU unless minWorkers says otherwise."""
+    available = ["cuda:0", "cuda:1", "cuda:2"]
+    m = ModelSettings.resolve(server_settings(), {"device": device}, gpus=3)
+    assert (m.devices(available), m.workers) == (devices, workers)
+
+
+def test_a_device_that_is_not_there_or_not_a_device_is_refused_with_the_forms_to_use() -> None:
+    on_gpu_one = ModelSettings.resolve(server_settings(), {"device": "cuda:1"})
+    with pytest.raises(ModelSettingsError, match=r"deviceType gpu \[1\] asked for, but no such"):
+        on_gpu_one.devices(["cpu"])  # a machine without GPUs
+    with pytest.raises(ModelSettingsError, match="use cpu, cuda, cuda:N or cuda:N,M"):
+        ModelSettings.resolve(server_settings(), {"device": "tpu:0"})
