@@ -8,7 +8,7 @@ GPU_IMAGE ?= scriptserve:gpu
 BASE_IMAGE ?= python:3.11-slim
 BUILDAH ?= buildah
 
-.PHONY: install install-serve demo demo-archive demo-textgen digits test check lint bench gen-proto image image-gpu
+.PHONY: install install-serve demo demo-archive demo-textgen digits test check lint bench gen-proto image image-gpu gpu-check gpu-wheels
 
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check -c constraints.txt
 
@@ -60,6 +60,14 @@ test: install
 check: install
 	$(MAKE) lint
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# On a GPU machine: every CUDA path, one command (benchmarks/gpu_check.py, docs/gpu.md). Where the
+# machine reaches no index, `make gpu-wheels` here first makes the wheels it installs from.
+gpu-check:
+	$(PYTHON) -m benchmarks.gpu_check $(if $(wildcard build/gpu-wheels),--wheels build/gpu-wheels)
+
+gpu-wheels: install
+	$(PYTHON) -m benchmarks.gpu_check --prepare build/gpu-wheels
 
 # The CPU image (docker/Dockerfile, see docs/deployment.md) with buildah; the build itself needs
 # no network: the wheels come from build/wheelhouse, made here. `docker build` works the same.

@@ -1,0 +1,476 @@
+"""`make gpu-check`: every CUDA path of scriptserve shown on one GPU by one command (made to
+fit 8 minutes on one H100), and the same steps on the CPU with `--dry-run`.
+
+    python -m benchmarks.gpu_check --prepare build/gpu-wheels   # here: what travels (cp312)
+    python -m benchmarks.gpu_check --wheels build/gpu-wheels    # on the GPU machine
+    python -m benchmarks.gpu_check --dry-run                    # here, on the CPU
+
+The GPU machines this is made for have Python 3.12, PyTorch with CUDA and the CPU build of
+onnxruntime installed, and reach no package index: `--prepare` downloads, beside scriptserve's
+own wheel, the cp312 wheels of what serving and the tests need that such a machine lacks, at
+most 64 MiB in all (so not onnxruntime-gpu: its CUDA check waits for a machine that has it).
+
+Steps, each timed and recorded; a failed step is recorded and the next ones still run:
+
+1. `environment`: Python, torch and CUDA, the GPU, onnxruntime's providers.
+2. `install`: the wheels into this Python (`--no-index`); scriptserve's own always afresh.
+3. `tests`: every `gpu`-marked test (`pytest -m gpu`).
+4. `archives`: an MLP as TorchScript and as a `.pt2` compiled on this machine for the device
+   (Inductor's cache under build/gpu-check, so a second run on a warm machine compiles less),
+   and as ONNX where onnxruntime offers CUDA.
+5. `served`: `scriptserve serve` on the device with batching; 64 concurrent requests over
+   REST (OIP JSON) and 64 over gRPC (`ModelInfer`) to each model, every answer checked against
+   the model run on the CPU, and the batches they shared read from /metrics.
+6. `benchmark`: in-process (the backend the server uses) at batch 1, 8 and 64 for each format,
+   `.pt2` with and without CUDA graphs where the server has them; served at batch 64 over gRPC
+   (4 clients), as items/s and as a share of the in-process figure.
+
+Writes benchmarks/results/gpu-<date>.json (with `--dry-run`, build/gpu-check/gpu-dry-run.json)
+and exits 1 when a step failed. Only the standard library is imported before `install`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / "build" / "gpu-check"
+RESULTS = REPO / "benchmarks" / "results"
+LIMIT_BYTES = 64 * 2**20
+"""What may travel to the GPU machine with the working tree."""
+TRAVEL = [
+    # serving (scriptserve's own dependencies but torch, torchao, onnx, tokenizers)
+    "numpy>=1.26", "pyyaml>=6.0", "orjson>=3.9", "pysimdjson>=6.0", "fastapi>=0.115",
+    "uvicorn>=0.30", "httptools>=0.6", "uvloop>=0.19", "pydantic>=2.7", "pydantic-settings>=2.4",
+    "prometheus-client>=0.20", "python-multipart>=0.0.9", "grpcio>=1.85.1", "protobuf>=7.35.1",
+    "grpcio-health-checking>=1.85.1", "grpcio-reflection>=1.85.1",
+    "googleapis-common-protos>=1.63", "pillow>=10.0", "filelock>=3.12", "httpx>=0.27",
+    # the check itself and the gpu-marked tests
+    "pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9",
+]  # fmt: skip
+"""Requirements whose cp312 wheels travel (with their own dependencies). torch and onnxruntime
+are the machine's; torchao (int8), onnx (ONNX export) and tokenizers (text handlers) are left
+out for room: the steps that need them say so."""
+GPU_TESTS = [
+    "tests/handlers/test_backends.py",
+    "tests/handlers/test_pt2_backend.py",
+    "tests/archiver/test_precision.py",
+    "tests/server/test_gauges.py",
+    "tests/training/test_fsdp.py",
+]
+"""The files holding `gpu`-marked tests (tests/packaging/test_gpu_check.py keeps this true)."""
+BATCHES = (1, 8, 64)
+FEATURES, HIDDEN, CLASSES = 512, 2048, 16
+TOLERANCE = 2e-3
+"""Largest difference allowed between an answer and the CPU's (TF32 and kernel choice on GPUs)."""
+
+
+class Check:
+    """The steps' results, in the order they ran."""
+
+    def __init__(self, dry_run: bool, wheels: Path | None, seconds: float) -> None:
+        self.dry_run = dry_run
+        self.wheels = wheels
+        self.seconds = seconds
+        self.device = "cpu" if dry_run else "cuda:0"
+        self.steps: dict[str, dict[str, Any]] = {}
+        self.archives: dict[str, Path] = {}
+        self.store = WORK / "store"
+
+    def step(self, name: str, work: Callable[[], dict[str, Any]]) -> None:
+        started = time.perf_counter()
+        try:
+            record: dict[str, Any] = {"ok": True, **work()}
+        except Exception as exc:
+            record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        record["seconds"] = round(time.perf_counter() - started, 1)
+        self.steps[name] = record
+        state = "ok" if record["ok"] else f"FAILED: {record['error']}"
+        print(f"[gpu-check] {name}: {state} ({record['seconds']} s)", flush=True)
+
+    # -- 1 ------------------------------------------------------------------------------------
+    def environment(self) -> dict[str, Any]:
+        import torch
+
+        found: dict[str, Any] = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(),
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+        }
+        if torch.cuda.is_available():
+            found["gpu"] = torch.cuda.get_device_name(0)
+            found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+            found["gpus"] = torch.cuda.device_count()
+        elif not self.dry_run:
+            raise RuntimeError("torch sees no CUDA device: run with --dry-run on a CPU machine")
+        if importlib.util.find_spec("onnxruntime") is not None:
+            import onnxruntime
+
+            found["onnxruntime"] = onnxruntime.__version__
+            found["onnxruntime_providers"] = onnxruntime.get_available_providers()
+        return found
+
+    # -- 2 ------------------------------------------------------------------------------------
+    def install(self) -> dict[str, Any]:
+        if self.wheels is None:
+            if importlib.util.find_spec("scriptserve") is None:
+                raise RuntimeError("scriptserve is not installed: give --wheels DIR")
+            return {"installed": "nothing (no --wheels): scriptserve as found"}
+        (wheel,) = self.wheels.glob("scriptserve-*.whl")
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        local = ["--no-index", "--find-links", str(self.wheels)]
+        names = [re.split(r"[<>=\[]", r)[0] for r in TRAVEL]
+        subprocess.run([*pip, *local, *names], check=True, timeout=300)
+        subprocess.run(
+            [*pip, *local, "--no-deps", "--force-reinstall", str(wheel)], check=True, timeout=300
+        )
+        return {"installed": [wheel.name, *names]}
+
+    # -- 3 ------------------------------------------------------------------------------------
+    def tests(self) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
+             "--continue-on-collection-errors", *GPU_TESTS],
+            cwd=REPO, capture_output=True, text=True, timeout=420, check=False,
+        )  # fmt: skip
+        tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+        if done.returncode not in (0, 5) or counts.get("failed") or counts.get("error"):
+            raise RuntimeError(f"pytest -m gpu: {tail}\n{done.stdout[-3000:]}")
+        if not self.dry_run and not counts.get("passed"):
+            raise RuntimeError(f"pytest -m gpu ran nothing on the GPU: {tail}")
+        return {"summary": tail, **counts}
+
+    # -- 4 ------------------------------------------------------------------------------------
+    def make_archives(self) -> dict[str, Any]:
+        import torch
+
+        from scriptserve.archiver.cli import model_archiver_main
+
+        src = WORK / "src"
+        src.mkdir(parents=True, exist_ok=True)
+        self.store.mkdir(parents=True, exist_ok=True)
+        (src / "mlp.py").write_text(MODEL_FILE)
+        module = _load_model(src / "mlp.py")
+        torch.save(module.state_dict(), src / "mlp-weights.pt")
+        torch.jit.script(module).save(str(src / "mlp.pt"))  # type: ignore[no-untyped-call]
+        (src / "sample.json").write_text(json.dumps([0.01 * i for i in range(FEATURES)]))
+        common = ["--version", "1.0", "--handler", "tensor", "--export-path", str(self.store),
+                  "--sample-input", str(src / "sample.json"), "-f"]  # fmt: skip
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(WORK / "inductor"))
+        self.archives = {
+            "torchscript": self.store / "mlp_ts.mar",
+            "pt2": self.store / "mlp_pt2.mar",
+        }
+        stamp = self.store / "made-with.json"
+        made_with = json.dumps([torch.__version__, self.device, MODEL_FILE])
+        made_before = all(p.exists() for p in [*self.archives.values(), stamp])
+        if made_before and stamp.read_text() == made_with:  # a second run on a warm machine
+            return {"reused": sorted(p.name for p in self.archives.values())}
+        made: dict[str, Any] = {}
+        started = time.perf_counter()
+        argv = ["--model-name", "mlp_ts", "--serialized-file", str(src / "mlp.pt"), *common]
+        if model_archiver_main(argv) != 0:
+            raise RuntimeError("model-archiver failed for the TorchScript archive")
+        made["torchscript_s"] = round(time.perf_counter() - started, 1)
+        started = time.perf_counter()
+        device = "cuda" if self.device.startswith("cuda") else "cpu"
+        argv = ["--model-name", "mlp_pt2", "--export-pt2", "--model-file", str(src / "mlp.py"),
+                "--model-class", "MLP", "--serialized-file", str(src / "mlp-weights.pt"),
+                "--pt2-device", device, "--max-batch", "64", *common]  # fmt: skip
+        if model_archiver_main(argv) != 0:
+            raise RuntimeError(f"model-archiver failed to compile the .pt2 for {device}")
+        made["pt2_compile_s"] = round(time.perf_counter() - started, 1)
+        stamp.write_text(made_with)
+        return made
+
+    # -- 5 ------------------------------------------------------------------------------------
+    def served(self) -> dict[str, Any]:
+        import numpy as np
+
+        rows = np.random.default_rng(0).standard_normal((64, FEATURES)).astype(np.float32)
+        expected = _reference(rows)
+        checked: dict[str, Any] = {}
+        with self._server() as server:
+            _wait_ready(server.url, "mlp_ts")
+            for model in ("mlp_ts", "mlp_pt2"):
+                rest = asyncio.run(_rest_answers(server.url, model, rows))
+                grpc = _grpc_answers(server.grpc_address, model, rows)
+                for how, got in (("rest", rest), ("grpc", grpc)):
+                    worst = float(np.abs(got - expected).max())
+                    if worst > TOLERANCE:
+                        raise RuntimeError(f"{model} over {how}: off by {worst:.2e} from the CPU")
+                    checked[f"{model}_{how}_max_diff"] = worst
+            total, batches = server.batch_counts()
+        checked["mean_batch"] = round(total / batches, 2) if batches else 0.0
+        if checked["mean_batch"] <= 1.0:
+            raise RuntimeError("the 256 concurrent requests were never batched together")
+        return checked
+
+    def _server(self) -> Any:
+        from benchmarks.servers import ServerProcess, free_port
+
+        port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+        argv = [
+            sys.executable, "-m", "scriptserve", "serve", "--model-store", str(self.store),
+            "--models", "all", "--device", "cuda" if self.device.startswith("cuda") else "cpu",
+            "--inference-address", f"127.0.0.1:{port}",
+            "--management-address", f"127.0.0.1:{mgmt}",
+            "--metrics-address", f"127.0.0.1:{metrics}",
+            "--grpc-inference-address", f"127.0.0.1:{grpc}",
+            "--grpc-management-address", f"127.0.0.1:{grpc_mgmt}",
+            "--workers", "1", "--max-batch-size", "64", "--max-batch-delay", "5",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        server = ServerProcess("gpu-check", argv, port, "/v2/models/mlp_pt2/ready", {})
+        server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        server.grpc_address = f"127.0.0.1:{grpc}"
+        return server
+
+    # -- 6 ------------------------------------------------------------------------------------
+    def benchmark(self) -> dict[str, Any]:
+        import numpy as np
+
+        from scriptserve.archiver.archive import open_archive
+        from scriptserve.handlers.backends import load_backend
+
+        figures: dict[str, Any] = {}
+        rng = np.random.default_rng(1)
+        for fmt, archive in self.archives.items():
+            with open_archive(archive) as reader:
+                manifest = reader.manifest
+                path = reader.root / manifest.model.serialized_file
+                backend = load_backend(path, manifest.model_format, self.device, 1, {},
+                                       manifest=manifest)  # fmt: skip
+                for batch in BATCHES:
+                    x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
+                    figures[f"{fmt}_b{batch}"] = _in_process(backend, x, self.seconds / 2)
+        figures["pt2_cuda_graphs"] = (
+            "not measured: the server has no CUDA-graph option for .pt2 packages yet"
+        )
+        figures["onnx_cuda"] = _onnx_cuda_note()
+        with self._server() as server:
+            served = _served_items(server.grpc_address, "mlp_pt2", 64, self.seconds)
+        inprocess = figures["pt2_b64"]["items_per_s"]
+        figures["pt2_served_b64"] = {
+            "items_per_s": served,
+            "of_in_process": round(served / inprocess, 3) if inprocess else None,
+        }
+        return figures
+
+
+MODEL_FILE = f"""
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear({FEATURES}, {HIDDEN}), nn.ReLU(), nn.Linear({HIDDEN}, {HIDDEN}), nn.ReLU(),
+            nn.Linear({HIDDEN}, {CLASSES}),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+"""
+
+
+def _load_model(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check_mlp", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MLP().eval()
+
+
+def _reference(rows: Any) -> Any:
+    import torch
+
+    model = _load_model(WORK / "src" / "mlp.py")
+    with torch.no_grad():
+        return model(torch.from_numpy(rows)).numpy()
+
+
+def _wait_ready(url: str, model: str, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/v2/models/{model}/ready", timeout=5).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{model} not ready in {timeout_s:g} s")
+        time.sleep(0.1)
+
+
+def _oip_body(row: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "shape": [1, FEATURES], "datatype": "FP32",
+                        "data": row.tolist()}]}  # fmt: skip
+
+
+async def _rest_answers(url: str, model: str, rows: Any) -> Any:
+    import httpx
+    import numpy as np
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        posts = [client.post(f"{url}/v2/models/{model}/infer", json=_oip_body(r)) for r in rows]
+        answers = await asyncio.gather(*posts)
+    for answer in answers:
+        answer.raise_for_status()
+    return np.array([a.json()["outputs"][0]["data"] for a in answers], dtype=np.float32)
+
+
+def _grpc_request(model: str, rows: Any) -> Any:
+    from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="x", datatype="FP32", shape=list(rows.shape))
+    request.raw_input_contents.append(rows.tobytes())
+    return request
+
+
+def _grpc_answers(address: str, model: str, rows: Any) -> Any:
+    import grpc
+    import numpy as np
+
+    from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as rpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = rpc.GRPCInferenceServiceStub(channel)
+        with ThreadPoolExecutor(64) as pool:
+            calls = [
+                stub.ModelInfer.future(_grpc_request(model, r[None]), timeout=60) for r in rows
+            ]
+            replies = list(pool.map(lambda c: c.result(), calls))
+    return np.stack([np.frombuffer(r.raw_output_contents[0], np.float32) for r in replies])
+
+
+def _in_process(backend: Any, x: Any, seconds: float) -> dict[str, float]:
+    """Median seconds per call over `seconds` of calls (after 3 warm ones), and items/s."""
+    for _ in range(3):
+        backend.run({"x": x})
+    times = []
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until or len(times) < 5:
+        started = time.perf_counter()
+        backend.run({"x": x})
+        times.append(time.perf_counter() - started)
+    median = statistics.median(times)
+    return {"median_ms": round(median * 1e3, 3), "items_per_s": round(len(x) / median, 1)}
+
+
+def _served_items(address: str, model: str, batch: int, seconds: float) -> float:
+    """Items per second answered to 4 gRPC clients sending `batch` rows per request."""
+    import grpc
+    import numpy as np
+
+    from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as rpc
+
+    rows = np.random.default_rng(2).standard_normal((batch, FEATURES)).astype(np.float32)
+    request = _grpc_request(model, rows)
+
+    def client(until: float) -> int:
+        done = 0
+        with grpc.insecure_channel(address) as channel:
+            stub = rpc.GRPCInferenceServiceStub(channel)
+            stub.ModelInfer(request, timeout=60)  # a warm connection before the clock
+            while time.perf_counter() < until:
+                stub.ModelInfer(request, timeout=60)
+                done += batch
+        return done
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        total = sum(pool.map(client, [started + seconds] * 4))
+    return round(total / (time.perf_counter() - started), 1)
+
+
+def _onnx_cuda_note() -> str:
+    if importlib.util.find_spec("onnxruntime") is None:
+        return "not measured: onnxruntime is not installed"
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return (
+            "not measured: this onnxruntime is the CPU build (onnxruntime-gpu, the gpu extra, "
+            "is larger than what may travel to the machine)"
+        )
+    return "not measured: ONNX export is not part of this check yet"
+
+
+def prepare(out: Path) -> int:
+    """The wheels that travel to the GPU machine: scriptserve's and TRAVEL's (cp312)."""
+    if out.exists():
+        shutil.rmtree(out)
+    subprocess.run([str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(out)],
+                   check=True, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+         "-d", str(out), "--only-binary=:all:", "--python-version", "3.12",
+         "--implementation", "cp", "--abi", "cp312", "--platform", "manylinux_2_28_x86_64",
+         "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
+         "--platform", "any", *TRAVEL],
+        check=True,
+    )  # fmt: skip
+    size = sum(f.stat().st_size for f in out.glob("*.whl"))
+    print(f"{len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {out}")
+    if size > LIMIT_BYTES:
+        print(f"more than the {LIMIT_BYTES / 2**20:.0f} MiB that may travel", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prepare", type=Path, help="download the wheels that travel into DIR")
+    p.add_argument("--wheels", type=Path, help="install from these wheels first")
+    p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU")
+    p.add_argument("--seconds", type=float, default=4.0, help="per measurement; default 4")
+    p.add_argument("--out", type=Path, help="results file (default: see the module)")
+    args = p.parse_args(argv)
+    if args.prepare is not None:
+        return prepare(args.prepare)
+    check = Check(args.dry_run, args.wheels, args.seconds)
+    WORK.mkdir(parents=True, exist_ok=True)
+    check.step("environment", check.environment)
+    if not check.steps["environment"]["ok"]:
+        return 1
+    check.step("install", check.install)
+    check.step("tests", check.tests)
+    check.step("archives", check.make_archives)
+    if check.steps["archives"]["ok"]:
+        check.step("served", check.served)
+        check.step("benchmark", check.benchmark)
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
+    out = args.out or (WORK / "gpu-dry-run.json" if args.dry_run else RESULTS / f"gpu-{when}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"when": when, "dry_run": args.dry_run, "device": check.device, "steps": check.steps}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[gpu-check] results: {out}")
+    return 0 if all(s["ok"] for s in check.steps.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

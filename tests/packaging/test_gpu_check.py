@@ -1,0 +1,69 @@
+"""`make gpu-check` (benchmarks/gpu_check.py) here, on the CPU: its dry run goes through every
+step the GPU machine runs (the gpu-marked tests, archives compiled for the device, a server
+answering REST and gRPC with batching, checked answers, the benchmark), and the wheels it
+prepares for that machine fit in what may travel there."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import distribution
+import pytest
+
+from benchmarks import gpu_check
+
+
+def test_the_check_runs_every_file_that_holds_gpu_tests() -> None:
+    marked = sorted(
+        str(path.relative_to(distribution.REPO))
+        for path in (distribution.REPO / "tests").rglob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu\b|mark\.gpu\b", path.read_text())
+    )
+    assert marked == sorted(gpu_check.GPU_TESTS)
+
+
+@pytest.mark.slow
+def test_the_dry_run_goes_through_every_step_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--seconds", "0.5",
+         "--out", str(out)],
+        cwd=distribution.REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert list(steps) == ["environment", "install", "tests", "archives", "served", "benchmark"]
+    assert all(step["ok"] for step in steps.values()), steps
+    assert result["dry_run"] is True and result["device"] == "cpu"
+    assert steps["tests"]["skipped"] >= 10  # every gpu test collected; skipped without CUDA
+    served = steps["served"]
+    for model in ("mlp_ts", "mlp_pt2"):
+        for how in ("rest", "grpc"):
+            assert served[f"{model}_{how}_max_diff"] <= gpu_check.TOLERANCE
+    assert served["mean_batch"] > 1.0
+    figures = steps["benchmark"]
+    for fmt in ("torchscript", "pt2"):
+        for batch in gpu_check.BATCHES:
+            assert figures[f"{fmt}_b{batch}"]["items_per_s"] > 0
+    assert figures["pt2_served_b64"]["of_in_process"] > 0
+    assert figures["onnx_cuda"].startswith("not measured")  # this onnxruntime is the CPU build
+
+
+@pytest.mark.slow
+def test_the_wheels_for_the_gpu_machine_fit_what_may_travel(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--prepare", str(wheels)],
+        cwd=distribution.REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [p.name for p in wheels.glob("*.whl")]
+    assert len([n for n in names if n.startswith("scriptserve-")]) == 1
+    assert any(n.startswith("grpcio-") and "cp312" in n for n in names)
+    assert not [n for n in names if re.match(r"(torch|onnxruntime|nvidia)[-_]", n)]
+    assert sum(p.stat().st_size for p in wheels.glob("*.whl")) <= gpu_check.LIMIT_BYTES
