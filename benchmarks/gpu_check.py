@@ -22,7 +22,7 @@ Steps, each timed and recorded; a failed step is recorded and the next ones stil
    REST (OIP JSON) and 64 over gRPC (`ModelInfer`) to each model, every answer checked against
    the model run on the CPU, and the batches they shared read from /metrics.
 6. `benchmark`: in-process (the backend the server uses) at batch 1, 8 and 64 for each format,
-   `.pt2` with and without CUDA graphs where the server has them; served at batch 64 over gRPC
+   TorchScript and `.pt2` with and without CUDA graphs; served at batch 64 over gRPC
    (4 clients), as items/s and as a share of the in-process figure.
 
 Writes benchmarks/results/gpu-<date>.json (with `--dry-run`, build/gpu-check/gpu-dry-run.json)
@@ -257,18 +257,22 @@ class Check:
 
         figures: dict[str, Any] = {}
         rng = np.random.default_rng(1)
+        variants = [("", {})]
+        if self.device.startswith("cuda"):
+            variants.append(("_graphs", {"cuda_graphs": True}))
+        else:
+            figures["cuda_graphs"] = "not measured: CUDA graphs apply to models on GPUs"
         for fmt, archive in self.archives.items():
             with open_archive(archive) as reader:
                 manifest = reader.manifest
                 path = reader.root / manifest.model.serialized_file
-                backend = load_backend(path, manifest.model_format, self.device, 1, {},
-                                       manifest=manifest)  # fmt: skip
-                for batch in BATCHES:
-                    x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
-                    figures[f"{fmt}_b{batch}"] = _in_process(backend, x, self.seconds / 2)
-        figures["pt2_cuda_graphs"] = (
-            "not measured: the server has no CUDA-graph option for .pt2 packages yet"
-        )
+                for suffix, options in variants:
+                    backend = load_backend(path, manifest.model_format, self.device, 1, options,
+                                           manifest=manifest)  # fmt: skip
+                    for batch in BATCHES:
+                        x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
+                        figure = _in_process(backend, x, self.seconds / 2)
+                        figures[f"{fmt}{suffix}_b{batch}"] = figure
         figures["onnx_cuda"] = _onnx_cuda_note()
         with self._server() as server:
             served = _served_items(server.grpc_address, "mlp_pt2", 64, self.seconds)

@@ -12,6 +12,7 @@ workers x intra-op threads stays within the cores the server was given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ import numpy as np
 
 from scriptserve.archiver.manifest import Manifest, ModelFormat
 from scriptserve.archiver.model_file import ONNXRUNTIME_MISSING
+
+log = logging.getLogger("scriptserve.handlers")
 
 
 class BackendError(RuntimeError):
@@ -55,6 +58,11 @@ def parse_device(device: str) -> tuple[str, int]:
     raise BackendError(f"unknown device {device!r}; use 'cpu' or 'cuda:N'")
 
 
+def wants_cuda_graphs(options: Mapping[str, Any]) -> bool:
+    """Whether a model's config turns CUDA graphs on (`cuda_graphs: true`; cuda_streams.py)."""
+    return str(options.get("cuda_graphs", "false")).strip().lower() in ("true", "1", "yes", "on")
+
+
 def load_backend(
     path: Path,
     fmt: ModelFormat,
@@ -70,11 +78,14 @@ def load_backend(
     A `.pt2` model needs the archive's `manifest` (what it was compiled for, its signature and
     batch bound), and sizes its per-caller state for `workers` threads calling it at once.
     """
-    parse_device(device)
+    kind, _ = parse_device(device)
+    options = options or {}
+    if kind == "cpu" and wants_cuda_graphs(options) and fmt != "onnx":
+        log.info("cuda_graphs applies to models on GPUs: %s runs on the CPU without", path.name)
     if fmt == "pt2":
         from scriptserve.handlers.backends.pt2 import Pt2Backend
 
-        return Pt2Backend(path, device, intra_op_threads, manifest, workers)
+        return Pt2Backend(path, device, intra_op_threads, manifest, workers, options)
     if fmt == "onnx":
         try:
             from scriptserve.handlers.backends.onnx import OnnxBackend

@@ -46,7 +46,12 @@ from scriptserve.archiver.pt2_package import (
     read_package,
 )
 from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
-from scriptserve.handlers.backends import BackendError, InputRejected, parse_device
+from scriptserve.handlers.backends import (
+    BackendError,
+    InputRejected,
+    parse_device,
+    wants_cuda_graphs,
+)
 
 log = logging.getLogger("scriptserve.handlers.pt2")
 
@@ -134,6 +139,7 @@ class Pt2Backend:
         intra_op_threads: int,
         manifest: Manifest | None,
         workers: int = 1,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         kind, index = parse_device(device)
         package, info = _servable(path, device, manifest)
@@ -189,6 +195,13 @@ class Pt2Backend:
         self._grow_lock = threading.Lock()
         self._callers = _Callers()
         self._local = threading.local()
+        if self._cuda:
+            from scriptserve.handlers.backends.cuda_streams import CudaRunner
+
+            graphs = wants_cuda_graphs(options or {})
+            self._cuda_runner = CudaRunner(
+                self._call_container, self._torch_device, graphs, self.max_batch
+            )
 
     @property
     def models(self) -> int:
@@ -313,11 +326,19 @@ class Pt2Backend:
         return dict(zip(self.output_names, outputs, strict=True))
 
     def _run_cuda(self, container: _Container, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """On this thread's CUDA stream, through its CUDA graphs when the model's config asks
+        for them (cuda_streams.py); graphs made with a container that was replaced since are
+        made again."""
         import torch
 
-        device = self._torch_device
-        tensors = [torch.from_numpy(a).pin_memory().to(device, non_blocking=True) for a in arrays]
-        stream = torch.cuda.current_stream(device).cuda_stream
-        outputs = self._library.run(container.handle, tensors, len(self.output_names), stream)
+        if getattr(self._local, "graphed", None) is not container:
+            self._cuda_runner.forget()
+            self._local.graphed = container
+        self._local.container = container
+        outputs = self._cuda_runner.run([torch.from_numpy(a) for a in arrays])
         # numpy has no bf16
-        return [(t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for t in outputs]
+        return [(t.float() if t.dtype == torch.bfloat16 else t).numpy() for t in outputs]
+
+    def _call_container(self, tensors: list[Any], stream: int) -> list[Any]:
+        handle = self._local.container.handle
+        return self._library.run(handle, tensors, len(self.output_names), stream)

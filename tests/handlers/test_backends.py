@@ -167,6 +167,11 @@ def test_one_backend_serves_two_threads_concurrently(
 @pytest.mark.gpu
 @needs_cuda
 def test_runs_on_cuda_like_on_cpu(tmp_path: Path, fmt: ModelFormat) -> None:
+    if fmt == "onnx":
+        import onnxruntime
+
+        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+            pytest.skip("needs onnxruntime's CUDA build (the gpu extra); this is the CPU one")
     path = model_file(tmp_path, fmt)
     cpu = load_backend(path, fmt, device="cpu", intra_op_threads=1)
     cuda = load_backend(path, fmt, device="cuda:0", intra_op_threads=1)
@@ -191,6 +196,57 @@ def test_torchscript_fp16_on_cuda_stays_close(torchscript_file: Path) -> None:
 
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, reference_output(x), atol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_torchscript_cuda_graphs_answer_as_without_them_at_every_batch_size(
+    torchscript_file: Path,
+) -> None:
+    """Padded to their bucket (the next power of two up to 64), replayed; past 64, without a
+    graph. Two threads at once each replay their own graphs."""
+    plain = load_backend(torchscript_file, "torchscript", device="cuda:0")
+    graphed = load_backend(
+        torchscript_file, "torchscript", device="cuda:0", options={"cuda_graphs": True}
+    )
+    for batch in (1, 3, 8, 33, 64, 100):
+        x = inputs(batch, seed=batch)
+        np.testing.assert_allclose(
+            graphed.run({"x": x})["output0"], plain.run({"x": x})["output0"], atol=1e-5
+        )
+
+    def many(seed: int) -> None:
+        for batch in (2, 5, 16):
+            x = inputs(batch, seed=seed + batch)
+            np.testing.assert_allclose(
+                graphed.run({"x": x})["output0"], reference_output(x), atol=1e-3
+            )
+
+    threads = [threading.Thread(target=many, args=(s,)) for s in (10, 20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_batches_are_padded_to_power_of_two_buckets_up_to_the_bound() -> None:
+    from scriptserve.handlers.backends.cuda_streams import bucket_for
+
+    assert [bucket_for(n, 64) for n in (1, 2, 3, 5, 33, 64, 65)] == [1, 2, 4, 8, 64, 64, None]
+    assert [bucket_for(n, 24) for n in (9, 17, 24, 25)] == [16, 24, 24, None]
+    assert (bucket_for(3, None), bucket_for(64, None), bucket_for(65, None)) == (4, 64, None)
+
+
+def test_cuda_graphs_for_a_model_on_the_cpu_are_left_off(
+    torchscript_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model config may be shared by CPU and GPU deployments: on the CPU the switch is noted
+    in the log and the model answers as without it."""
+    x = inputs(5, seed=6)
+    with caplog.at_level("INFO", logger="scriptserve.handlers"):
+        backend = load_backend(torchscript_file, "torchscript", options={"cuda_graphs": "true"})
+    assert "cuda_graphs applies to models on GPUs" in caplog.text
+    np.testing.assert_allclose(backend.run({"x": x})["output0"], reference_output(x), atol=1e-5)
 
 
 GPU_BUILD = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]

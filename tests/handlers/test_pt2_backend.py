@@ -46,6 +46,7 @@ class Opened:
         device: str = "cpu",
         workers: int = 1,
         *,
+        options: dict[str, object] | None = None,
         torch_version: str | None = None,
         target_device: str | None = None,
         cpu_flags: tuple[str, ...] | None = None,
@@ -64,7 +65,7 @@ class Opened:
         )
         manifest = manifest.with_scriptserve(dataclasses.replace(manifest.scriptserve, pt2=edited))
         backend = load_backend(
-            self.package, "pt2", device=device, manifest=manifest, workers=workers
+            self.package, "pt2", device=device, options=options, manifest=manifest, workers=workers
         )
         assert isinstance(backend, Pt2Backend)
         return backend
@@ -391,3 +392,12 @@ def test_a_cuda_package_runs_on_cuda_like_eager_and_is_refused_on_cpu() -> None:
         np.testing.assert_allclose(outputs["output0"], reference_output(x), atol=1e-3, rtol=0)
         with pytest.raises(BackendError, match="serve it on a GPU"):
             cuda.backend(device="cpu")
+
+        # CUDA graphs: every batch size answers as without them, padded to its bucket.
+        graphed = cuda.backend(device="cuda:0", options={"cuda_graphs": True})
+        plain = cuda.backend(device="cuda:0")
+        for batch in sorted({1, 3, TINY_MAX_BATCH // 2 + 1, TINY_MAX_BATCH}):
+            x = rows(batch, seed=batch)
+            np.testing.assert_allclose(
+                graphed.run({"x": x})["output0"], plain.run({"x": x})["output0"], atol=1e-5
+            )
