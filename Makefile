@@ -52,7 +52,7 @@ digits: install-serve
 		$(PYTHON) -m scriptserve.training --model lenet --epochs 10 --out model_store
 
 test: install
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=25
 
 # The quick loop (under 3 minutes on 2 cores): lint, then the tests not marked `slow` (image
 # builds, fresh installs, training runs, fuzzing, compiles, servers started for a few tests;

@@ -115,7 +115,13 @@ def _load_sample(args: argparse.Namespace, fmt: ModelFormat) -> dict[str, np.nda
         known = probe_model(args.serialized_file, fmt) if fmt == "onnx" else Signature()
         return arrays_from_json(data, known, default_datatype=args.input_dtype)
     if args.input_shape:
-        return _shape_sample(args.input_shape, args.input_dtype)
+        sample = _shape_sample(args.input_shape, args.input_dtype)
+        if fmt == "onnx":  # unnamed shapes take the graph's input names, in its order
+            names = [t.name for t in probe_model(args.serialized_file, fmt).inputs]
+            unnamed = all(name == f"input{i}" for i, name in enumerate(sample))
+            if unnamed and len(names) == len(sample):
+                sample = dict(zip(names, sample.values(), strict=True))
+        return sample
     return None
 
 

@@ -14,7 +14,7 @@ Steps, each timed and recorded; a failed step is recorded and the next ones stil
 
 1. `environment`: Python, torch and CUDA, the GPU, onnxruntime's providers.
 2. `install`: the wheels into this Python (`--no-index`); scriptserve's own always afresh.
-3. `tests`: every `gpu`-marked test (`pytest -m gpu`).
+3. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected).
 4. `archives`: an MLP as TorchScript and as a `.pt2` compiled on this machine for the device
    (Inductor's cache under build/gpu-check, so a second run on a warm machine compiles less),
    and as ONNX where onnxruntime offers CUDA.
@@ -159,13 +159,16 @@ class Check:
                 not_run[path] = f"needs {', '.join(missing)}, not installed here"
             else:
                 runnable.append(path)
+        # Dry, they are collected (on the CPU each would be skipped): what the GPU would run.
+        mode = ["--collect-only"] if self.dry_run else ["-rs"]
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *mode,
              *runnable],
             cwd=REPO, capture_output=True, text=True, timeout=420, check=False,
         )  # fmt: skip
         tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
-        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+        found = r"(\d+)(?:/\d+)? (passed|failed|skipped|error|tests collected)"
+        counts = {k.split()[-1]: int(n) for n, k in re.findall(found, tail)}
         if done.returncode not in (0, 5) or counts.get("failed") or counts.get("error"):
             raise RuntimeError(f"pytest -m gpu: {tail}\n{done.stdout[-3000:]}")
         if not self.dry_run and not counts.get("passed"):

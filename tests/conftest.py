@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,7 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 # Fixtures whose making takes half a minute to minutes of child processes: what starts them in
 # the background (headstart.py) once collection shows they will be used. The `.pt2` archives of
 # pt2models.py get one too, for the test modules that import the functions that give them.
-HEAD_STARTS = ("built_image", "runtime_venv", "gpu_layer", "zoo", "trained", "qat_run")
+HEAD_STARTS = ("built_image", "installed", "zoo", "trained", "qat_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that the `slow` marks added count
@@ -116,14 +117,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
         if unbuildable_reason() is None:
             headstart.start("image", build_default_image)
-    if "runtime_venv" in used:
+    if "installed" in used:
         import distribution
 
-        headstart.start("runtime_venv", distribution.runtime_venv)
-    if "gpu_layer" in used:
-        import distribution
-
-        headstart.start("gpu_layer", distribution.gpu_layer)
+        headstart.start("installed", distribution.gpu_layer)
     if "zoo" in used:
         import zoo_archives
 
@@ -137,6 +134,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if archives:
         build = functools.partial(pt2models.build_in_child, archives)
         headstart.start(pt2models.HEAD_START, build)
+
+
+@pytest.fixture(scope="session")
+def installed() -> Iterator[tuple[Path, str]]:
+    """The wheel installed as the GPU image installs it (distribution.gpu_layer): the fresh
+    environment's bin/ folder and what docker/gpu-layer.sh printed. Deleted at the end."""
+    import distribution
+
+    made = headstart.result("installed", distribution.gpu_layer)
+    yield made
+    shutil.rmtree(made[0].parents[1], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

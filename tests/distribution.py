@@ -1,5 +1,5 @@
 """The distribution as users get it, built from this checkout: its files as git would commit
-them, the wheel, and a fresh virtual environment holding the wheel without extras.
+them, the wheel, and a fresh virtual environment holding the wheel as the GPU image installs it.
 
 Plain functions, so that the slow one (the environment) can get a head start (headstart.py);
 tests/packaging/conftest.py wraps them as fixtures.
@@ -53,27 +53,6 @@ def build_wheel(root: Path) -> Path:
     shutil.rmtree(sources)
     (built,) = (root / "dist").glob("scriptserve-*.whl")
     return built
-
-
-def runtime_venv() -> Path:
-    """A fresh virtual environment in a new temporary folder, holding this checkout's wheel
-    without extras; returns its bin/ folder. The caller deletes `bin/../..` when done.
-
-    Its ~1.2 GB are downloaded or unpacked (about 45 s when pip's cache is warm). This
-    environment's pip installs into it (`--python`), which spares the venv its own pip.
-    """
-    root = Path(tempfile.mkdtemp(prefix="scriptserve-runtime-"))
-    wheel = build_wheel(root / "wheel")
-    venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-         "--disable-pip-version-check", "-c", str(REPO / "constraints.txt"), str(wheel)],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return venv / "bin"
 
 
 def gpu_layer() -> tuple[Path, str]:

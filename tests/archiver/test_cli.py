@@ -81,6 +81,19 @@ def test_input_shape_without_sample_for_torchscript(models: Path, tmp_path: Path
     assert [(t.name, t.shape) for t in signature.outputs] == [("output0", (-1, 3))]
 
 
+def test_input_shape_without_sample_for_onnx_takes_the_graphs_input_name(
+    models: Path, tmp_path: Path
+) -> None:
+    """An unnamed --input-shape runs the ONNX graph under its own input name (`x`, not a
+    generated `input0` that onnxruntime would refuse)."""
+    done = model_archiver(*args(models, tmp_path, "tiny.onnx", "--input-shape", "8"))
+    assert done.returncode == 0, done.stderr
+    with open_archive(Path(done.stdout.strip())) as reader:
+        assert [t.name for t in reader.manifest.signature.inputs] == ["x"]
+        sample = json.loads((reader.root / "sample.json").read_text())
+    assert len(sample) == 8
+
+
 REQUIRED = ["--model-name", "m", "--version", "1", "--serialized-file", "m.pt"]
 
 

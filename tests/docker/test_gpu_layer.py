@@ -7,13 +7,10 @@ and that index are not reachable from the test machines; the image itself is bui
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import distribution
-import headstart
 import pytest
 
 # Slow: a fresh virtual environment (torch, ONNX Runtime's CUDA build) made in the background.
@@ -21,10 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def gpu_layer() -> Iterator[tuple[Path, str]]:
-    made = headstart.result("gpu_layer", distribution.gpu_layer)
-    yield made
-    shutil.rmtree(made[0].parents[1], ignore_errors=True)
+def gpu_layer(installed: tuple[Path, str]) -> tuple[Path, str]:
+    return installed
 
 
 def run(scripts: Path, code: str) -> str:

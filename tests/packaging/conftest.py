@@ -8,14 +8,12 @@ This folder has no `__init__.py` on purpose: with tests/ on sys.path it would sh
 
 from __future__ import annotations
 
-import shutil
 import sysconfig
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import distribution
-import headstart
 import pytest
 from serving import ServerProcess
 
@@ -45,15 +43,11 @@ def dev_scripts() -> Path:
 
 
 @pytest.fixture(scope="session")
-def runtime_venv() -> Iterator[Path]:
-    """A fresh virtual environment holding the wheel without extras; yields its bin/ folder.
-
-    Made once per session, started in the background when collection finds a test that uses it
-    (tests/conftest.py), and deleted at the end.
-    """
-    scripts = headstart.result("runtime_venv", distribution.runtime_venv)
-    yield scripts
-    shutil.rmtree(scripts.parents[1], ignore_errors=True)
+def runtime_venv(installed: tuple[Path, str]) -> Path:
+    """The bin/ folder of a fresh virtual environment holding the wheel and its dependencies,
+    installed as the GPU image installs them (the `gpu` extra; torch's CPU build here): made
+    once per session, in the background from collection on (tests/conftest.py)."""
+    return installed[0]
 
 
 class InstalledServer(ServerProcess):

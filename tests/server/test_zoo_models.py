@@ -1,6 +1,6 @@
 """The zoo's models behind a real server: the BERT classifier over TorchServe's `/predictions`,
 KServe v1, the Open Inference Protocol over REST and gRPC (Triton's clients, BYTES tensors);
-ResNet-50 with JPEGs over REST and gRPC; the sentence embedder behind OpenAI's
+ResNet-50 and ViT with JPEGs over REST and gRPC; the sentence embedder behind OpenAI's
 `/v1/embeddings`, called by the `openai` client unchanged."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ TEXTS = ["the quick brown fox", "a dog and a cat are happy", "music"]
 def server(zoo: ZooStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     store = tmp_path_factory.mktemp("text-models") / "store"
     store.mkdir()
-    for name in ("bert", "embedder", "resnet50"):
+    for name in ("bert", "embedder", "resnet50", "vit"):
         shutil.copy(zoo.archive(name), store)
     proc = ServerProcess(store, "--models", "all").start(timeout_s=180)
     try:
@@ -65,16 +65,17 @@ def jpeg(seed: int) -> bytes:
     return buf.getvalue()
 
 
-def test_resnet_answers_jpegs_over_rest_and_grpc(server: ServerProcess) -> None:
+@pytest.mark.parametrize("model", ["resnet50", "vit"])
+def test_vision_models_answer_jpegs_over_rest_and_grpc(server: ServerProcess, model: str) -> None:
     images = [jpeg(0), jpeg(1)]
-    expected = handled(server.store / "resnet50.mar", *images)
+    expected = handled(server.store / f"{model}.mar", *images)
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        rest = client.post("/predictions/resnet50", content=images[0],
+        rest = client.post(f"/predictions/{model}", content=images[0],
                            headers={"Content-Type": "image/jpeg"})  # fmt: skip
     grpc = triton_grpc.InferenceServerClient(server.grpc)
     tensor = triton_grpc.InferInput("pixel_values", [2], "BYTES")
     tensor.set_data_from_numpy(np.array(images, dtype=object))
-    logits = grpc.infer("resnet50", [tensor]).as_numpy("output0")
+    logits = grpc.infer(model, [tensor]).as_numpy("output0")
 
     assert rest.status_code == 200, rest.text
     assert rest.json() == pytest.approx(expected[0].body)
