@@ -12,8 +12,8 @@ most 64 MiB in all (so not onnxruntime-gpu: its CUDA check waits for a machine t
 
 Steps, each timed and recorded; a failed step is recorded and the next ones still run:
 
-1. `environment`: Python, torch and CUDA, the GPU, onnxruntime's providers.
-2. `install`: the wheels into this Python (`--no-index`); scriptserve's own always afresh.
+1. `install`: the wheels into this Python (`--no-index`); scriptserve's own always afresh.
+2. `environment`: Python, torch and CUDA, the GPU, onnxruntime's providers.
 3. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected).
 4. `archives`: an MLP as TorchScript and as a `.pt2` compiled on this machine for the device
    (Inductor's cache under build/gpu-check, so a second run on a warm machine compiles less),
@@ -141,13 +141,11 @@ class Check:
                 raise RuntimeError("scriptserve is not installed: give --wheels DIR")
             return {"installed": "nothing (no --wheels): scriptserve as found"}
         (wheel,) = self.wheels.glob("scriptserve-*.whl")
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        local = ["--no-index", "--find-links", str(self.wheels)]
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+               "--no-index", "--find-links", str(self.wheels)]  # fmt: skip
         names = [re.split(r"[<>=\[]", r)[0] for r in TRAVEL]
-        subprocess.run([*pip, *local, *names], check=True, timeout=300)
-        subprocess.run(
-            [*pip, *local, "--no-deps", "--force-reinstall", str(wheel)], check=True, timeout=300
-        )
+        _pip(pip, names)
+        _pip(pip, ["--no-deps", "--force-reinstall", str(wheel)])  # this tree's, every run
         return {"installed": [wheel.name, *names]}
 
     # -- 3 ------------------------------------------------------------------------------------
@@ -316,6 +314,20 @@ class MLP(nn.Module):
 """
 
 
+def _pip(command: list[str], args: list[str]) -> None:
+    """Run pip; where the Python is the distribution's (PEP 668: "externally managed"), again
+    with --break-system-packages: a GPU machine used for this check is set up for it alone."""
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
+
+    done = run([*command, *args])
+    if done.returncode != 0 and "externally-managed-environment" in done.stderr:
+        done = run([*command, "--break-system-packages", *args])
+    if done.returncode != 0:
+        raise RuntimeError(f"pip install {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+
+
 def _load_model(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location("gpu_check_mlp", path)
     assert spec is not None and spec.loader is not None
@@ -437,16 +449,17 @@ def _onnx_cuda_note() -> str:
     return "not measured: ONNX export is not part of this check yet"
 
 
-def prepare(out: Path) -> int:
-    """The wheels that travel to the GPU machine: scriptserve's and TRAVEL's (cp312)."""
+def prepare(out: Path, python: str = "3.12") -> int:
+    """The wheels that travel to the GPU machine: scriptserve's and TRAVEL's, for `python`."""
     if out.exists():
         shutil.rmtree(out)
     subprocess.run([str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(out)],
                    check=True, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-         "-d", str(out), "--only-binary=:all:", "--python-version", "3.12",
-         "--implementation", "cp", "--abi", "cp312", "--platform", "manylinux_2_28_x86_64",
+         "-d", str(out), "--only-binary=:all:", "--python-version", python,
+         "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}",
+         "--platform", "manylinux_2_28_x86_64",
          "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
          "--platform", "any", *TRAVEL],
         check=True,
@@ -462,24 +475,31 @@ def prepare(out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prepare", type=Path, help="download the wheels that travel into DIR")
+    p.add_argument("--python", default="3.12", help="--prepare's Python version; default 3.12")
     p.add_argument("--wheels", type=Path, help="install from these wheels first")
     p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU")
     p.add_argument("--seconds", type=float, default=4.0, help="per measurement; default 4")
     p.add_argument("--out", type=Path, help="results file (default: see the module)")
     args = p.parse_args(argv)
     if args.prepare is not None:
-        return prepare(args.prepare)
+        return prepare(args.prepare, args.python)
     check = Check(args.dry_run, args.wheels, args.seconds)
     WORK.mkdir(parents=True, exist_ok=True)
-    check.step("environment", check.environment)
-    if not check.steps["environment"]["ok"]:
-        return 1
+    # Installing comes first: torch, once imported, would not see a numpy installed after it.
     check.step("install", check.install)
+    check.step("environment", check.environment)
+    if not (check.steps["install"]["ok"] and check.steps["environment"]["ok"]):
+        return _write(check, args)
     check.step("tests", check.tests)
     check.step("archives", check.make_archives)
     if check.steps["archives"]["ok"]:
         check.step("served", check.served)
         check.step("benchmark", check.benchmark)
+    return _write(check, args)
+
+
+def _write(check: Check, args: argparse.Namespace) -> int:
+    """The results file; 0 when every step was ok."""
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
     out = args.out or (WORK / "gpu-dry-run.json" if args.dry_run else RESULTS / f"gpu-{when}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

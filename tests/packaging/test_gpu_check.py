@@ -37,7 +37,7 @@ def test_the_dry_run_goes_through_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     steps = result["steps"]
-    assert list(steps) == ["environment", "install", "tests", "archives", "served", "benchmark"]
+    assert list(steps) == ["install", "environment", "tests", "archives", "served", "benchmark"]
     assert all(step["ok"] for step in steps.values()), steps
     assert result["dry_run"] is True and result["device"] == "cpu"
     assert steps["tests"]["collected"] >= 10  # every gpu test, which the GPU machine runs
