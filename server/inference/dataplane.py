@@ -430,7 +430,7 @@ class DataPlane(DescribesModels):
                 streaming=mv.streams,
             )
         mv.batcher.submit(job)
-        note_queued(job)
+        note_queued(job, mv.name, mv.version)
         return job, loop.call_later(budget, expire, job, mv.batcher, budget)
 
     # -- shutdown ----------------------------------------------------------------------------

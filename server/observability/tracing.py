@@ -78,6 +78,8 @@ class RequestTrace:
     jobs: list[Job] = field(default_factory=list)
     """What the data plane queued for this request, in order (several for KServe v1), up to
     MAX_TRACED_JOBS."""
+    job_models: list[tuple[str, str]] = field(default_factory=list)
+    """The model and version each of `jobs` was queued for (a pipeline's steps differ)."""
     queued: int = 0
     """How many model requests it queued."""
     answered: float = 0.0
@@ -139,14 +141,16 @@ def note_model(name: str, version: str | None) -> None:
             trace.span.set_attribute("scriptserve.model.version", version)
 
 
-def note_queued(job: Job) -> None:
-    """The data plane queued `job` for this request: its batch will link to this span. A
-    request that is not sampled leaves its jobs alone, so its batch records nothing."""
+def note_queued(job: Job, model: str, version: str) -> None:
+    """The data plane queued `job` for this request, for `model` `version`: its batch will link
+    to this span. A request that is not sampled leaves its jobs alone, so its batch records
+    nothing."""
     trace = _current.get()
     if trace is not None and trace.recording:
         trace.queued += 1
         if len(trace.jobs) < MAX_TRACED_JOBS:
             trace.jobs.append(job)
+            trace.job_models.append((model, version))
             job.span_context = trace.context
 
 
@@ -302,18 +306,22 @@ class Tracing:
         parent = otel.set_span_in_context(trace.span)
         first = trace.jobs[0].enqueued if trace.jobs else trace.answered or ended
         self._span("decode", parent, trace.started, first)
-        for job in trace.jobs:
-            attributes = {"scriptserve.request.id": job.request.request_id}
+        for job, (model, version) in zip(trace.jobs, trace.job_models, strict=True):
+            attributes = {
+                "scriptserve.request.id": job.request.request_id,
+                "scriptserve.model.name": model,
+                "scriptserve.model.version": version,
+            }
             taken = job.dequeued or (job.batch.started if job.batch else 0.0)
             if not taken:
                 continue  # never taken by a worker (cancelled, timed out in the queue)
             self._span("queue", parent, job.enqueued, taken, attributes)
             if job.batch is not None:
-                self._batch(job, job.batch, parent)
+                self._batch(job, job.batch, parent, attributes)
         if trace.answered:
             self._span("encode", parent, trace.answered, max(ended, trace.answered))
 
-    def _batch(self, job: Job, batch: BatchRecord, parent: Any) -> None:
+    def _batch(self, job: Job, batch: BatchRecord, parent: Any, about: Mapping[str, Any]) -> None:
         from opentelemetry import trace as otel
         from opentelemetry.trace import Link
 
@@ -323,10 +331,10 @@ class Tracing:
             if other is not job and other.span_context is not None
         ]
         attributes = {
+            **about,  # the request id, the model and version that ran it
             "scriptserve.batch.size": len(batch.jobs),
             "scriptserve.batch.request_ids": [other.request.request_id for other in batch.jobs],
             "scriptserve.worker.id": batch.worker,
-            "scriptserve.request.id": job.request.request_id,
         }
         span = self._span("batch", parent, batch.started, batch.ended, attributes, links, end=False)
         inner = otel.set_span_in_context(span)

@@ -244,6 +244,13 @@ def test_a_pipeline_request_is_one_access_line_and_one_span_tree(
     assert root.attributes["scriptserve.model.version"] == "1"
     batches = [s for s in mine if s.name == "batch"]
     assert len(batches) == 2 and all(s.parent_id == root.span_id for s in batches)
+    steps = [s for s in mine if s.name in ("queue", "batch")]  # each names its step's model
+    assert sorted(s.attributes["scriptserve.model.name"] for s in steps) == [
+        "double",
+        "double",
+        "plus_one",
+        "plus_one",
+    ]
     lines = [json.loads(line) for line in access.read_text().splitlines()]
     (line,) = [entry for entry in lines if entry.get("request_id") == "p1"]
     assert (line["model"], line["version"], line["status"]) == ("chain", "1", 200)
