@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     host = {"cpus": os.cpu_count(), "load_average_before": load_before,
             "load_average_after": os.getloadavg()}  # fmt: skip
     print(report.host_line(host))
-    out = args.output or RESULTS / f"ab-{started:%Y-%m-%dT%H%M}.json"
+    out = args.output or RESULTS / f"ab-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "benchmark": "ab", "started": started.isoformat(timespec="seconds"),

@@ -107,7 +107,7 @@ def main() -> None:
     )
     print(summary)
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"front_ends-{dt.datetime.now():%Y-%m-%dT%H%M}.json"
+    path = RESULTS / f"front_ends-{dt.datetime.now():%Y-%m-%dT%H%M%S}.json"
     path.write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     print(f"wrote {path.relative_to(RESULTS.parent.parent)}")
 

@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write(check: Check, args: argparse.Namespace) -> int:
     """The results file; 0 when every step was ok."""
-    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
     out = args.out or (WORK / "gpu-dry-run.json" if args.dry_run else RESULTS / f"gpu-{when}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"when": when, "dry_run": args.dry_run, "device": check.device, "steps": check.steps}

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines.append(report.host_line(host))
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"grpc_frontends-{dt.datetime.now():%Y-%m-%dT%H%M}.json"
+    out = RESULTS / f"grpc_frontends-{dt.datetime.now():%Y-%m-%dT%H%M%S}.json"
     out.write_text(report.compact_json({
         "host": host, "rounds": opts.rounds, "seconds": opts.seconds,
         "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},

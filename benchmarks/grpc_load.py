@@ -576,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(printed)
     print(report.host_line(host))
     suffix = "-quick" if args.quick else ""
-    out = args.output or RESULTS / f"grpc_load-{started:%Y-%m-%dT%H%M}{suffix}.json"
+    out = args.output or RESULTS / f"grpc_load-{started:%Y-%m-%dT%H%M%S}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report.compact_json(document))
     print(f"results: {out}")

@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.table(scenario, summary))
     print(report.host_line(host))
     suffix = "-quick" if args.quick else ""
-    out = args.output or RESULTS / f"http_load-{started:%Y-%m-%dT%H%M}{suffix}.json"
+    out = args.output or RESULTS / f"http_load-{started:%Y-%m-%dT%H%M%S}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report.compact_json(document))
     print(f"results: {out}")

@@ -108,7 +108,7 @@ def host(load_before: tuple[float, float, float]) -> dict[str, Any]:
 def write_results(kind: str, document: Mapping[str, Any]) -> Path:
     """`document` as benchmarks/results/<kind>-<date and minute>.json; says where on stdout."""
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{kind}-{dt.datetime.now():%Y-%m-%dT%H%M}.json"
+    out = RESULTS / f"{kind}-{dt.datetime.now():%Y-%m-%dT%H%M%S}.json"
     out.write_text(compact_json(document))
     print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
     return out

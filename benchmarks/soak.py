@@ -139,7 +139,7 @@ def main() -> None:
     for key, value in result.items():
         print(f"{key:>16}: {value}")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"soak-{time.strftime('%Y-%m-%dT%H%M')}.json"
+    out = RESULTS / f"soak-{time.strftime('%Y-%m-%dT%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"written to {out.relative_to(ROOT)}")
 

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
     }
     print(report.host_line(host))
-    out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M}.json"
+    out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "benchmark": "switches",
