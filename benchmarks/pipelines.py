@@ -44,14 +44,14 @@ from benchmarks.zoo import cpu_line
 
 WORK = REPO / "build" / "pipelines"
 
-CNN_HANDLER = """
+ROWS_HANDLER = """
 import json
 
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 
-class Pixels(BaseHandler):
+class {name}(BaseHandler):
     def preprocess(self, data):
         rows = []
         for row in data:
@@ -62,29 +62,17 @@ class Pixels(BaseHandler):
         return torch.tensor(rows, dtype=torch.float32)
 
     def postprocess(self, data):
-        return [json.dumps(row) for row in data.tolist()]
+        return {answer}
 """
+"""A TorchServe handler of JSON rows (a request's body, or the previous step's answer)."""
 
-HEAD_HANDLER = """
-import json
-
-import torch
-from ts.torch_handler.base_handler import BaseHandler
-
-
-class Label(BaseHandler):
-    def preprocess(self, data):
-        rows = []
-        for row in data:
-            value = row.get("data") or row.get("body")
-            if isinstance(value, (bytes, bytearray)):
-                value = json.loads(value)
-            rows.append(value)
-        return torch.tensor(rows, dtype=torch.float32)
-
-    def postprocess(self, data):
-        return [json.dumps({"label": int(row.argmax()), "scores": row.tolist()}) for row in data]
-"""
+CNN_HANDLER = ROWS_HANDLER.format(
+    name="Pixels", answer="[json.dumps(row) for row in data.tolist()]"
+)
+HEAD_HANDLER = ROWS_HANDLER.format(
+    name="Label",
+    answer='[json.dumps({"label": int(row.argmax()), "scores": row.tolist()}) for row in data]',
+)
 
 WORKFLOW_HANDLER = """
 import io
