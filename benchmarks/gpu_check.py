@@ -6,13 +6,15 @@ fit 8 minutes on one H100), and the same steps on the CPU with `--dry-run`.
     python -m benchmarks.gpu_check --dry-run                    # here, on the CPU
 
 The GPU machines this is made for have Python 3.12, PyTorch with CUDA and the CPU build of
-onnxruntime installed, and reach no package index: `--prepare` downloads, beside scriptserve's
-own wheel, the cp312 wheels of what serving and the tests need that such a machine lacks, at
-most 64 MiB in all (so not onnxruntime-gpu: its CUDA check waits for a machine that has it).
+onnxruntime installed, and reach no package index: `--prepare` downloads the cp312 wheels of
+what serving and the tests need that such a machine lacks, at most 64 MiB in all (so not
+onnxruntime-gpu: its CUDA check waits for a machine that has it); scriptserve itself is built
+there from the tree that travels with them, so what runs is always that tree.
 
 Steps, each timed and recorded; a failed step is recorded and the next ones still run:
 
-1. `install`: the wheels into this Python (`--no-index`); scriptserve's own always afresh.
+1. `install`: the wheels into this Python (`--no-index`), and scriptserve built from this tree
+   with the machine's setuptools, afresh every run.
 2. `environment`: Python, torch and CUDA, the GPU, onnxruntime's providers.
 3. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected).
 4. `archives`: an MLP as TorchScript and as a `.pt2` compiled on this machine for the device
@@ -62,8 +64,8 @@ TRAVEL = [
     "prometheus-client>=0.20", "python-multipart>=0.0.9", "grpcio>=1.85.1", "protobuf>=7.35.1",
     "grpcio-health-checking>=1.85.1", "grpcio-reflection>=1.85.1",
     "googleapis-common-protos>=1.63", "pillow>=10.0", "filelock>=3.12", "httpx>=0.27",
-    # the check itself and the gpu-marked tests
-    "pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9",
+    # the check itself and the gpu-marked tests; setuptools builds scriptserve there
+    "pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "setuptools>=68",
 ]  # fmt: skip
 """Requirements whose cp312 wheels travel (with their own dependencies). torch and onnxruntime
 are the machine's; torchao (int8), onnx (ONNX export) and tokenizers (text handlers) are left
@@ -96,18 +98,37 @@ class Check:
         self.steps: dict[str, dict[str, Any]] = {}
         self.archives: dict[str, Path] = {}
         self.store = WORK / "store"
+        self.when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
+        self.out: Path | None = None
+        self.logs = WORK
 
     def step(self, name: str, work: Callable[[], dict[str, Any]]) -> None:
+        """Run one step and record it; the results file is rewritten after each, so a check cut
+        short by a time limit still says how far it got."""
         started = time.perf_counter()
         try:
             record: dict[str, Any] = {"ok": True, **work()}
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a command-line tool's exit fails the step only
             record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc()
         record["seconds"] = round(time.perf_counter() - started, 1)
         self.steps[name] = record
         state = "ok" if record["ok"] else f"FAILED: {record['error']}"
         print(f"[gpu-check] {name}: {state} ({record['seconds']} s)", flush=True)
+        if self.out is not None:
+            self.write(self.out)
+
+    def write(self, out: Path) -> bool:
+        """The results file; True when every step so far was ok."""
+        result = {
+            "when": self.when,
+            "dry_run": self.dry_run,
+            "device": self.device,
+            "steps": self.steps,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return all(s["ok"] for s in self.steps.values())
 
     # -- 1 ------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
@@ -140,13 +161,25 @@ class Check:
             if importlib.util.find_spec("scriptserve") is None:
                 raise RuntimeError("scriptserve is not installed: give --wheels DIR")
             return {"installed": "nothing (no --wheels): scriptserve as found"}
-        (wheel,) = self.wheels.glob("scriptserve-*.whl")
         pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                "--no-index", "--find-links", str(self.wheels)]  # fmt: skip
-        names = [re.split(r"[<>=\[]", r)[0] for r in TRAVEL]
-        _pip(pip, names)
-        _pip(pip, ["--no-deps", "--force-reinstall", str(wheel)])  # this tree's, every run
-        return {"installed": [wheel.name, *names]}
+        # With the minimums: a machine's older protobuf or grpcio (gencode must not be newer than
+        # the runtime) is upgraded from the wheels; what is new enough is kept.
+        _pip(pip, TRAVEL)
+        # scriptserve itself from the tree that travelled, built here with this Python's
+        # setuptools (nothing fetched), every run: a wheel prepared earlier could be older.
+        built = WORK / "wheel"
+        done = subprocess.run(
+            [str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(built)],
+            env={**os.environ, "PYTHON": sys.executable, "PIP_NO_INDEX": "1",
+                 "PIP_NO_BUILD_ISOLATION": "false"},  # pip reads "no-" options inverted
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"building scriptserve's wheel failed:\n{done.stderr[-2000:]}")
+        (wheel,) = built.glob("scriptserve-*.whl")
+        _pip(pip, ["--no-deps", "--force-reinstall", str(wheel)])
+        return {"installed": [wheel.name, *TRAVEL]}
 
     # -- 3 ------------------------------------------------------------------------------------
     def tests(self) -> dict[str, Any]:
@@ -158,17 +191,27 @@ class Check:
             else:
                 runnable.append(path)
         # Dry, they are collected (on the CPU each would be skipped): what the GPU would run.
-        mode = ["--collect-only"] if self.dry_run else ["-rs"]
+        mode = ["--collect-only"] if self.dry_run else ["-rfEs", "--durations=15"]
+        report = ["--tb=short", "--show-capture=no"]  # the tests' own logs would bury the reasons
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *mode,
-             *runnable],
-            cwd=REPO, capture_output=True, text=True, timeout=420, check=False,
-        )  # fmt: skip
+            [*command, *mode, *report, *runnable],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=420,
+            check=False,
+        )
+        self.logs.mkdir(parents=True, exist_ok=True)
+        (self.logs / "gpu-tests.log").write_text(done.stdout + done.stderr)
         tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
         found = r"(\d+)(?:/\d+)? (passed|failed|skipped|error|tests collected)"
         counts = {k.split()[-1]: int(n) for n, k in re.findall(found, tail)}
         if done.returncode not in (0, 5) or counts.get("failed") or counts.get("error"):
-            raise RuntimeError(f"pytest -m gpu: {tail}\n{done.stdout[-3000:]}")
+            failed = [
+                line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))
+            ]
+            raise RuntimeError(f"pytest -m gpu: {tail}\n" + "\n".join(failed))
         if not self.dry_run and not counts.get("passed"):
             raise RuntimeError(f"pytest -m gpu ran nothing on the GPU: {tail}")
         return {"summary": tail, **counts, "not_run": not_run}
@@ -450,11 +493,11 @@ def _onnx_cuda_note() -> str:
 
 
 def prepare(out: Path, python: str = "3.12") -> int:
-    """The wheels that travel to the GPU machine: scriptserve's and TRAVEL's, for `python`."""
+    """The wheels that travel to the GPU machine: TRAVEL's, for `python` (scriptserve's own is
+    built there, from the tree that travels with them)."""
     if out.exists():
         shutil.rmtree(out)
-    subprocess.run([str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(out)],
-                   check=True, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    out.mkdir(parents=True)
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
          "-d", str(out), "--only-binary=:all:", "--python-version", python,
@@ -480,10 +523,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU")
     p.add_argument("--seconds", type=float, default=4.0, help="per measurement; default 4")
     p.add_argument("--out", type=Path, help="results file (default: see the module)")
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=WORK,
+        help="the tests' report; default " + str(WORK.relative_to(REPO)),
+    )
     args = p.parse_args(argv)
     if args.prepare is not None:
         return prepare(args.prepare, args.python)
     check = Check(args.dry_run, args.wheels, args.seconds)
+    check.logs = args.logs
+    check.out = args.out or (
+        WORK / "gpu-dry-run.json" if args.dry_run else RESULTS / f"gpu-{check.when}.json"
+    )
     WORK.mkdir(parents=True, exist_ok=True)
     # Installing comes first: torch, once imported, would not see a numpy installed after it.
     check.step("install", check.install)
@@ -499,14 +552,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(check: Check, args: argparse.Namespace) -> int:
-    """The results file; 0 when every step was ok."""
-    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
-    out = args.out or (WORK / "gpu-dry-run.json" if args.dry_run else RESULTS / f"gpu-{when}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"when": when, "dry_run": args.dry_run, "device": check.device, "steps": check.steps}
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"[gpu-check] results: {out}")
-    return 0 if all(s["ok"] for s in check.steps.values()) else 1
+    """The results file, once more at the end; 0 when every step was ok."""
+    assert check.out is not None
+    ok = check.write(check.out)
+    print(f"[gpu-check] results: {check.out}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

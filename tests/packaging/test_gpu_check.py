@@ -63,7 +63,7 @@ def test_the_wheels_for_the_gpu_machine_fit_what_may_travel(tmp_path: Path) -> N
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     names = [p.name for p in wheels.glob("*.whl")]
-    assert len([n for n in names if n.startswith("scriptserve-")]) == 1
+    assert not [n for n in names if n.startswith("scriptserve-")]  # built there, from the tree
     assert any(n.startswith("grpcio-") and "cp312" in n for n in names)
     assert not [n for n in names if re.match(r"(torch|onnxruntime|nvidia)[-_]", n)]
     assert sum(p.stat().st_size for p in wheels.glob("*.whl")) <= gpu_check.LIMIT_BYTES
