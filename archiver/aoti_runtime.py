@@ -61,8 +61,9 @@ _ABI: dict[str, tuple[list[Any], Any]] = {
         [ctypes.c_void_p, ctypes.c_size_t, _name_p],
         ctypes.c_int32,
     ),
-    "AOTInductorGetLastError": ([_name_p], ctypes.c_int32),
 }
+_LAST_ERROR = "AOTInductorGetLastError"
+"""The failed call's message; packages made by earlier torch releases (2.11) do not export it."""
 
 # AtenTensorHandles cross from and to torch as PyCapsules (torch._C._aoti).
 _capsule_name = ctypes.pythonapi.PyCapsule_GetName
@@ -160,6 +161,13 @@ def load_libtorch() -> None:
     if spec is None or spec.origin is None:
         raise AotiError("torch is not installed: compiled models need its libtorch")
     library = Path(spec.origin).parent / "lib" / "libtorch_cpu.so"
+    if library.with_name("libtorch_cuda.so").exists():
+        # A CUDA build: torch loads its CUDA libraries before libtorch_cpu, in an order of its
+        # own; loading libtorch_cpu by hand first is not what its import does. The second
+        # saved is not worth the difference on a GPU machine.
+        import torch  # noqa: F401
+
+        return
     try:
         _libtorch = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
@@ -185,6 +193,10 @@ class AotiLibrary:
                 ) from None
             function.argtypes = argtypes
             function.restype = restype
+        self._last_error: Any = None
+        with contextlib.suppress(AttributeError):
+            self._last_error = getattr(self._lib, _LAST_ERROR)
+            self._last_error.argtypes, self._last_error.restype = [_name_p], ctypes.c_int32
         # The same library again, as a PyDLL: calls through it keep the GIL. Dropping it for
         # each small call would hand it to another thread and wait for it back.
         self._shim = ctypes.PyDLL(str(so), handle=self._lib._handle)
@@ -209,8 +221,10 @@ class AotiLibrary:
     def _check(self, result: int, what: str) -> None:
         if result == 0:
             return
+        if self._last_error is None:  # the runtime wrote its message to the server's stderr
+            raise AotiError(f"the compiled model failed to {what} (its message is in the log)")
         message = ctypes.c_char_p()
-        self._lib.AOTInductorGetLastError(ctypes.byref(message))
+        self._last_error(ctypes.byref(message))
         lines = (message.value or b"").decode(errors="replace").strip().splitlines()
         raise AotiError(f"the compiled model failed to {what}: {lines[0] if lines else '?'}")
 

@@ -6,11 +6,13 @@ Exit codes: 0 success, 2 usage error (argparse), 1 failure with a one-line reaso
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from scriptserve import __version__
 from scriptserve.archiver.archive import (
@@ -43,6 +45,20 @@ USER_ERRORS = (
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
+
+
+_crash_report: TextIO | None = None
+
+
+def report_crashes() -> None:
+    """A crash in native code (a compiled model, a GPU runtime) prints every thread's Python
+    stack to stderr as it was when the command started: around calls into a compiled model the
+    runtime's own messages are dropped from stderr (fd 2 points elsewhere), the crash report
+    is not."""
+    global _crash_report  # noqa: PLW0603 - one report file per process
+    if _crash_report is None:
+        _crash_report = os.fdopen(os.dup(2), "w")
+        faulthandler.enable(file=_crash_report, all_threads=True)
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -311,6 +327,8 @@ def add_archive_subcommands(parser: argparse.ArgumentParser) -> None:
 
 def model_archiver_main(argv: Sequence[str] | None = None) -> int:
     """`model-archiver`: TorchServe's torch-model-archiver command line."""
+    if argv is None:  # the command itself, not a call from Python
+        report_crashes()
     parser = argparse.ArgumentParser(
         prog="model-archiver",
         description="Pack a .pt2 (AOTInductor), TorchScript or ONNX model, its handler and "

@@ -15,6 +15,7 @@ on the validation samples (top-1 agreement, or cosine similarity for embedders),
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Collection, Mapping
 from dataclasses import asdict
@@ -25,7 +26,7 @@ import numpy as np
 
 from scriptserve.archiver.accuracy import Tolerance, ValidationSamples, check_tolerance, compare
 from scriptserve.archiver.model_source import load_eager_model
-from scriptserve.archiver.pt2_check import PackageRunner, call_model, run_package
+from scriptserve.archiver.pt2_check import PackageRunner, call_model, opened_package
 from scriptserve.archiver.pt2_package import cpu_features, read_package
 
 if TYPE_CHECKING:
@@ -121,18 +122,20 @@ def check_precision(
             outputs = tree_leaves(call_model(model, inputs))
         return {f"output{i}": t.float().numpy() for i, t in enumerate(outputs)}
 
-    if device == "cpu":
-        runner = PackageRunner(package)
+    with contextlib.ExitStack() as stack:
+        if device == "cpu":
+            runner = PackageRunner(package)
+            stack.callback(runner.close)
 
-        def reduced_run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {f"output{i}": v for i, v in enumerate(runner(inputs).values())}
-    else:
-        compiled = read_package(package)
+            def reduced_run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+                return {f"output{i}": v for i, v in enumerate(runner(inputs).values())}
+        else:  # loaded once for every sample, as on the CPU
+            run = stack.enter_context(opened_package(read_package(package), "cuda:0"))
 
-        def reduced_run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            _, outputs = run_package(compiled, "cuda:0", list(inputs.values()))
-            return {f"output{i}": v for i, v in enumerate(outputs)}
+            def reduced_run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+                _, outputs = run(list(inputs.values()))
+                return {f"output{i}": v for i, v in enumerate(outputs)}
 
-    result = compare(fp32, reduced_run, samples)
+        result = compare(fp32, reduced_run, samples)
     check_tolerance(result, tolerance, what="bf16/fp16")
     return {"isa": precision_isa() if device == "cpu" else device, "validation": asdict(result)}

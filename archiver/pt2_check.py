@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import weakref
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,13 +140,26 @@ def run_package(
 ) -> tuple[tuple[str, ...], list[np.ndarray]]:
     """(output names, outputs) of one run of the package on `inputs`, in the model's order, in
     a container made for it."""
+    with opened_package(package, device, input_checks) as run:
+        return run(inputs)
+
+
+Run = Callable[[list[np.ndarray]], tuple[tuple[str, ...], list[np.ndarray]]]
+
+
+@contextlib.contextmanager
+def opened_package(package: Pt2Package, device: str, input_checks: bool = True) -> Iterator[Run]:
+    """The package loaded once, in a container of one model instance on `device`, for as many
+    runs as the caller makes (the accuracy guard runs every validation sample): each run gives
+    (output names, outputs) in the model's order."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="scriptserve-pt2-") as tmp:
         library = AotiLibrary(package.extract(Path(tmp)))
         cuda = device.startswith("cuda")
         container = library.create(1, device, Path(tmp) if cuda else None)
-        try:
+
+        def run(inputs: list[np.ndarray]) -> tuple[tuple[str, ...], list[np.ndarray]]:
             takes = len(library.names(container, "Input"))
             if takes != len(inputs):
                 raise ModelFileError(
@@ -157,13 +170,17 @@ def run_package(
             checks = _input_checks() if input_checks else contextlib.nullcontext()
             with checks, _runtime_stderr_dropped():
                 results = library.run(container, tensors, len(names))
+            arrays = [
+                (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
+                for t in results
+            ]
+            return names, arrays
+
+        try:
+            yield run
         finally:
             library.delete(container)
             library.close()
-    arrays = [
-        (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy() for t in results
-    ]
-    return names, arrays
 
 
 def check_package(

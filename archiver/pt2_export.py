@@ -219,11 +219,14 @@ def _dtype_hint(exc: Exception, named: Mapping[str, np.ndarray]) -> str:
 def compile_options() -> dict[str, Any]:
     """Inductor configs for an fp32 package: freezing, and a portable -march for the vector ISA
     Inductor picks here (its default, -march=native, ties the package to CPUs like this one)."""
+    from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     options: dict[str, Any] = {"freezing": True}
     march = portable_march(str(pick_vec_isa()))
-    if march is not None:
+    # torch releases before the option (2.11) compile for this CPU; the manifest's target says
+    # which -march the package was built with either way (read from its flags).
+    if march is not None and hasattr(config.cpp, "march"):
         options["cpp.march"] = march
     return options
 

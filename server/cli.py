@@ -22,7 +22,13 @@ from pydantic.fields import FieldInfo
 
 from scriptserve import __version__
 from scriptserve.archiver.archive import open_archive
-from scriptserve.archiver.cli import USER_ERRORS, add_archive_subcommands, fail, run_archive_command
+from scriptserve.archiver.cli import (
+    USER_ERRORS,
+    add_archive_subcommands,
+    fail,
+    report_crashes,
+    run_archive_command,
+)
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import Context, HandlerError, InferenceRequest, run_batch
 from scriptserve.handlers.loader import load_handler, read_model_config, worker_scope
@@ -196,6 +202,8 @@ def train(args: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the command itself, not a call from Python
+        report_crashes()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         return train(argv[1:])

@@ -67,12 +67,23 @@ class CudaRunner:
     """One capture at a time in the process: a capture must not see another's allocations."""
 
     def __init__(
-        self, call: Call, device: torch.device, graphs: bool, bound: int | None = None
+        self,
+        call: Call,
+        device: torch.device,
+        graphs: bool,
+        bound: int | None = None,
+        relaxed: bool = False,
     ) -> None:
         self._call = call
         self.device = device
         self.graphs = graphs
         self.bound = bound
+        self.relaxed = relaxed
+        """Capture in CUDA's relaxed mode, and call once more outside the graph after it: for
+        an AOTInductor container, whose run asks whether its model's last run has finished (an
+        event query, which the stricter modes forbid while capturing) and records that event
+        again (a query of an event last recorded during a capture fails until it is recorded
+        outside one)."""
         self._local = threading.local()
 
     def _stream(self) -> torch.cuda.Stream:
@@ -115,8 +126,11 @@ class CudaRunner:
                 self._call(static, stream.cuda_stream)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            mode = "relaxed" if self.relaxed else "thread_local"
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
                 outputs = self._call(static, stream.cuda_stream)
+            if self.relaxed:
+                self._call(static, stream.cuda_stream)
         log.info("captured a CUDA graph for batches of up to %d rows on %s", size, self.device)
         graphs[key] = made = _Graph(graph, static, outputs)
         return made

@@ -200,7 +200,7 @@ class Pt2Backend:
 
             graphs = wants_cuda_graphs(options or {})
             self._cuda_runner = CudaRunner(
-                self._call_container, self._torch_device, graphs, self.max_batch
+                self._call_container, self._torch_device, graphs, self.max_batch, relaxed=True
             )
 
     @property

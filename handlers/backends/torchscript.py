@@ -95,7 +95,9 @@ class TorchScriptBackend:
         try:
             host = [torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in self.input_names]
             if self._torch_device.type == "cuda":
-                outputs = dict(zip(self._names, self._cuda.run(host), strict=True))
+                # The names are read from the first call's outputs: after the run, not before.
+                on_host = self._cuda.run(host)
+                outputs = dict(zip(self._names, on_host, strict=True))
             else:
                 outputs = self._outputs(host)
         except ModelFileError as exc:
