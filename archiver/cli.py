@@ -171,7 +171,8 @@ def add_pt2_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="longest sequence the exported package takes: dim 1 of the inputs shaped [batch, "
         "seq] becomes dynamic from 1 to this (default: a Hugging Face model's "
-        "max_position_embeddings when the sample holds token ids; else fixed at the sample's)",
+        "max_position_embeddings when the sample holds token ids; else fixed at the sample's); "
+        "for TorchScript and ONNX, recorded for the text handlers to truncate to",
     )
     group.add_argument(
         "--precision",

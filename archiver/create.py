@@ -473,6 +473,9 @@ def _create_archive(args: argparse.Namespace, workdir: Path, report: Report) -> 
             sample_input=sample_file.name if sample_file else None,
             validation_samples=validation_file.name if validation_file else None,
             pt2=pt2,
+            max_seq_len=getattr(args, "max_seq_len", None)
+            if fmt in ("torchscript", "onnx")
+            else None,
         ),
     )
     fmt_enum = ArchiveFormat(args.archive_format)

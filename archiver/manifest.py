@@ -203,12 +203,10 @@ class Pt2Info:
         version = data.get("torchVersion")
         if not isinstance(version, str) or not version:
             raise ManifestError("manifest scriptserve.pt2.torchVersion is missing")
-        bounds = {key: data.get(key) for key in ("maxBatch", "maxSeqLen")}
-        for key, bound in bounds.items():
-            if bound is not None and (
-                not isinstance(bound, int) or isinstance(bound, bool) or bound < 1
-            ):
-                raise ManifestError(f"manifest scriptserve.pt2.{key} must be a positive integer")
+        bounds = {
+            key: _positive_or_none(data.get(key), f"scriptserve.pt2.{key}")
+            for key in ("maxBatch", "maxSeqLen")
+        }
         options = data.get("compileOptions") or {}
         if not isinstance(options, dict):
             raise ManifestError("manifest scriptserve.pt2.compileOptions must be an object")
@@ -226,6 +224,12 @@ class Pt2Info:
 
 def _optional_str(value: Any) -> str | None:
     return str(value) if value not in (None, "") else None
+
+
+def _positive_or_none(value: Any, key: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ManifestError(f"manifest {key} must be a positive integer")
+    return value
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,9 @@ class ScriptserveInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     pt2: Pt2Info | None = None
     """How a `pt2` model was built and what serving it needs; None for other formats."""
+    max_seq_len: int | None = None
+    """The longest sequence (dim 1 of the token inputs) a TorchScript or ONNX model takes, as
+    `--max-seq-len` gave it: text handlers truncate to it. A `.pt2` keeps its own in `pt2`."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -304,6 +311,8 @@ class ScriptserveInfo:
             data["metrics"] = dict(self.metrics)
         if self.pt2 is not None:
             data["pt2"] = self.pt2.to_dict()
+        if self.max_seq_len is not None:
+            data["maxSeqLen"] = self.max_seq_len
         return data
 
     @classmethod
@@ -329,6 +338,7 @@ class ScriptserveInfo:
             validation_samples=data.get("validationSamples") or None,
             metrics=dict(data["metrics"]) if isinstance(data.get("metrics"), dict) else {},
             pt2=Pt2Info.from_dict(data["pt2"]) if data.get("pt2") is not None else None,
+            max_seq_len=_positive_or_none(data.get("maxSeqLen"), "scriptserve.maxSeqLen"),
         )
 
 

@@ -352,7 +352,8 @@ def build(name: str, dst: Path, size: str = "small", seed: int = 0) -> Built:
         side = built.image_size
         inputs = {"pixel_values": smooth_images(rng, 32, side)}
     else:
-        inputs = _text_files(built, name, int(config.vocab_size), seed)
+        positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+        inputs = _text_files(built, name, int(config.vocab_size), int(positions), seed)
     np.savez(built.validation, **inputs)
     if model.handler.endswith("classifier"):
         decisive_head(module, inputs)
@@ -376,8 +377,11 @@ def smooth_images(rng: np.random.Generator, count: int, side: int) -> np.ndarray
     return ((np.stack(images) - mean) / std).astype(np.float32)
 
 
-def _text_files(built: Built, name: str, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
-    """Write the tokenizer and the sample; return the validation texts as padded token ids."""
+def _text_files(
+    built: Built, name: str, vocab_size: int, positions: int, seed: int
+) -> dict[str, np.ndarray]:
+    """Write the tokenizer and the sample; return the validation texts as padded token ids, at
+    most the model's `positions` long (a generator keeps each text's end: it continues it)."""
     dst = built.root
     generator = name == "gpt2"
     tokenizer = byte_level_tokenizer(vocab_size) if generator else wordpiece_tokenizer(vocab_size)
@@ -395,6 +399,7 @@ def _text_files(built: Built, name: str, vocab_size: int, seed: int) -> dict[str
     tokenizer.enable_padding(
         pad_id=tokenizer.token_to_id(pad), pad_token=pad, direction="left" if generator else "right"
     )
+    tokenizer.enable_truncation(positions, direction="left" if generator else "right")
     encodings = tokenizer.encode_batch(validation_texts(VALIDATION_TEXTS, seed))
     columns = {
         "input_ids": [e.ids for e in encodings],

@@ -12,7 +12,9 @@ tests wait on servers, and the tests that use them run last.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import sys
 import warnings
 from dataclasses import dataclass
@@ -136,6 +138,29 @@ def zoo_onnx(built: Built) -> Path:
             dynamo=False,
         )  # fmt: skip
     return path
+
+
+def archive_as(built: Built, fmt: str, dst: Path) -> Path:
+    """The zoo model traced to TorchScript (`fmt` "torchscript") or exported to ONNX ("onnx"),
+    archived by model-archiver (in this process) with its handler and files, as
+    `<name>_<fmt>.mar` in `dst`."""
+    from scriptserve.archiver.cli import model_archiver_main
+
+    model = zoo_torchscript(built) if fmt == "torchscript" else zoo_onnx(built)
+    name = f"{built.model.name}_{fmt}"
+    argv = [
+        "--model-name", name, "--version", "1.0", "--serialized-file", str(model),
+        "--handler", built.model.handler, "--export-path", str(dst),
+        "--extra-files", ",".join(str(p) for p in built.extra_files),
+    ]  # fmt: skip
+    if built.sample is not None:
+        argv += ["--sample-input", str(built.sample), "--max-seq-len", "64"]
+    else:
+        argv += ["--input-shape", f"pixel_values=3,{built.image_size},{built.image_size}"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        if model_archiver_main(argv) != 0:
+            raise RuntimeError(f"model-archiver failed for {name}")
+    return dst / f"{name}.mar"
 
 
 def _example(built: Built) -> dict[str, torch.Tensor]:

@@ -94,7 +94,18 @@ def load_backend(
                 raise
             raise BackendError(ONNXRUNTIME_MISSING) from None
 
-        return OnnxBackend(path, device, intra_op_threads, options or {})
+        onnx = OnnxBackend(path, device, intra_op_threads, options)
+        onnx.max_seq_len = _max_seq_len(manifest)
+        return onnx
     from scriptserve.handlers.backends.torchscript import TorchScriptBackend
 
-    return TorchScriptBackend(path, device, intra_op_threads, options or {})
+    torchscript = TorchScriptBackend(path, device, intra_op_threads, options)
+    torchscript.max_seq_len = _max_seq_len(manifest)
+    return torchscript
+
+
+def _max_seq_len(manifest: Manifest | None) -> int | None:
+    """The sequence bound the archive records for a TorchScript or ONNX model (a .pt2 reads its
+    own): text handlers truncate to it."""
+    section = manifest.scriptserve if manifest is not None else None
+    return section.max_seq_len if section is not None else None

@@ -86,6 +86,8 @@ class OnnxBackend:
         self, path: Path, device: str, intra_op_threads: int, options: Mapping[str, Any]
     ) -> None:
         self.device = device
+        self.max_seq_len: int | None = None
+        """The longest sequence the archive says the model takes (load_backend sets it)."""
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1

@@ -51,6 +51,8 @@ class TorchScriptBackend:
         if kind == "cuda" and not torch.cuda.is_available():
             raise BackendError(f"device {device} requested but CUDA is not available")
         self.device = device
+        self.max_seq_len: int | None = None
+        """The longest sequence the archive says the model takes (load_backend sets it)."""
         self._torch_device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         configure_threads(intra_op_threads)
         # Int8 models repack their weights for the quantized engine when loaded: the same

@@ -5,7 +5,6 @@ to a proxy executor, and agree with fp32 on the validation samples."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 from pathlib import Path
@@ -13,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from zoo_archives import ZooStore, zoo_onnx, zoo_reference, zoo_torchscript
+from zoo_archives import ZooStore, archive_as, zoo_reference
 
 from scriptserve.archiver.archive import open_archive
-from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.archiver.pt2_package import read_package
 from scriptserve.handlers.base import Context, InferenceRequest, run_batch
 from scriptserve.handlers.image_classifier import IMAGENET_MEAN, IMAGENET_STD
@@ -127,19 +125,7 @@ def test_torchscript_and_onnx_archives_answer_as_the_eager_model(
     zoo: ZooStore, name: str, fmt: str, tmp_path: Path
 ) -> None:
     built = zoo.model(name)
-    model = zoo_torchscript(built) if fmt == "torchscript" else zoo_onnx(built)
-    argv = [
-        "--model-name", f"{name}_{fmt}", "--version", "1.0", "--serialized-file", str(model),
-        "--handler", built.model.handler, "--export-path", str(tmp_path),
-        "--extra-files", ",".join(str(p) for p in built.extra_files),
-    ]  # fmt: skip
-    if built.sample is not None:
-        argv += ["--sample-input", str(built.sample), "--max-seq-len", "64"]
-    else:
-        argv += ["--input-shape", f"pixel_values=3,{built.image_size},{built.image_size}"]
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert model_archiver_main(argv) == 0
-    archive = tmp_path / f"{name}_{fmt}.mar"
+    archive = archive_as(built, fmt, tmp_path)
 
     with np.load(built.validation) as data:
         inputs = {n: data[n][:3] for n in data.files}
@@ -150,6 +136,12 @@ def test_torchscript_and_onnx_archives_answer_as_the_eager_model(
     assert answer.error is None, answer.error  # type: ignore[attr-defined]
     got = next(iter(answer.outputs.values()))  # type: ignore[attr-defined]
     np.testing.assert_allclose(got, expected, atol=1e-4)
+    if built.model.kind == "text":  # longer than the model's 64 positions: cut to the bound
+        with open_archive(archive) as reader:
+            assert reader.manifest.scriptserve is not None
+            assert reader.manifest.scriptserve.max_seq_len == 64
+        (long,) = served(archive, InferenceRequest(body=b"music film book " * 100))
+        assert long.error is None, long.error  # type: ignore[attr-defined]
 
 
 def test_a_hugging_face_safetensors_checkpoint_loads_as_the_state_dict(

@@ -1,17 +1,21 @@
 """The built-in `text_generator` on the zoo's GPT-2 (small, a byte-level BPE tokenizer packed in
-the archive, the sequence exported dynamic): each prompt's streamed answer is the eager model's
-greedy continuation, decoded by the tokenizer, whatever else shares its batch."""
+the archive, the sequence exported dynamic), as a `.pt2`, TorchScript and ONNX archive: each
+prompt's streamed answer is the eager model's greedy continuation, decoded by the tokenizer,
+whatever else shares its batch."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
-from zoo_archives import ZooStore, zoo_eager
+from zoo_archives import ZooStore, archive_as, zoo_eager, zoo_reference
 
 from scriptserve.archiver.archive import open_archive
+from scriptserve.handlers.backends import load_backend
 from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
 from scriptserve.handlers.loader import load_handler, read_model_config
 from scriptserve.handlers.text_generator import TextGenerator
@@ -24,7 +28,11 @@ PROMPTS = ["The quick brown fox", "a dog and a cat are happy and the music is go
 
 @pytest.fixture(scope="module")
 def generator(zoo: ZooStore) -> Iterator[TextGenerator]:
-    with open_archive(zoo.archive("gpt2")) as reader:
+    yield from generator_of(zoo.archive("gpt2"))
+
+
+def generator_of(archive: Path) -> Iterator[TextGenerator]:
+    with open_archive(archive) as reader:
         manifest = reader.manifest
         config = read_model_config(reader.root, manifest)
         context = Context("gpt2", "1.0", reader.root, manifest, config)
@@ -71,6 +79,31 @@ def test_each_prompt_streams_the_models_greedy_continuation(
         text = b"".join(p.body for p in parts).decode()
         assert text == greedy(zoo, prompt, 12)
         assert len(parts) <= 12
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+def test_torchscript_and_onnx_archives_give_the_eager_logits_and_generate_alike(
+    zoo: ZooStore, fmt: str, tmp_path: Path
+) -> None:
+    """GPT-2 traced to TorchScript and exported to ONNX (batch and sequence dynamic), archived
+    with the same tokenizer and handler: the next-token logits of padded rows are the eager
+    model's, and each prompt, alone and batched beside a longer one, streams the eager model's
+    greedy continuation."""
+    built = zoo.model("gpt2")
+    archive = archive_as(built, fmt, tmp_path)
+    with np.load(built.validation) as data:
+        rows = {n: data[n][:3] for n in data.files}
+    with open_archive(archive) as reader:
+        manifest = reader.manifest
+        path = reader.root / manifest.model.serialized_file  # type: ignore[operator]
+        logits = load_backend(path, manifest.model_format, manifest=manifest).run(rows)
+    np.testing.assert_allclose(next(iter(logits.values())), zoo_reference(built, rows), atol=1e-4)
+
+    requests = [InferenceRequest(body=p.encode(), parameters={"max_tokens": 8}) for p in PROMPTS]
+    for handler in generator_of(archive):
+        for prompt, parts in zip(PROMPTS, answers(handler, *requests), strict=True):
+            assert all(p.error is None for p in parts), [p.error for p in parts]
+            assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, 8)
 
 
 def test_a_prompt_answers_alike_alone_and_padded_beside_a_longer_one(
