@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import headstart
 import pt2models
@@ -83,7 +85,18 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 # Fixtures whose making takes half a minute to minutes of child processes: what starts them in
 # the background (headstart.py) once collection shows they will be used. The `.pt2` archives of
 # pt2models.py get one too, for the test modules that import the functions that give them.
-HEAD_STARTS = ("built_image", "installed", "zoo", "trained", "qat_run")
+HEAD_STARTS = (
+    "built_image",
+    "installed",
+    "zoo",
+    "trained",
+    "qat_run",
+    "gpu_dry_run",
+    "gpu_wheels",
+    "fsdp_runs",
+)
+GPU_CHECK = {"gpu_dry_run": "--dry-run", "gpu_wheels": "--prepare"}
+"""The gpu check's runs that tests/packaging/test_gpu_check.py reads, by fixture."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that the `slow` marks added count
@@ -125,6 +138,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import zoo_archives
 
         headstart.start("zoo", zoo_archives.build_zoo)
+    for fixture, option in GPU_CHECK.items():
+        if fixture in used:
+            import distribution
+
+            headstart.start(fixture, functools.partial(distribution.gpu_check, option))
+    if "fsdp_runs" in used:
+        headstart.start("fsdp_runs", _fsdp_runs)
     for fixture, run in (("trained", "digits"), ("qat_run", "qat")):
         if fixture in used:
             import trainruns
@@ -145,6 +165,41 @@ def installed() -> Iterator[tuple[Path, str]]:
     made = headstart.result("installed", distribution.gpu_layer)
     yield made
     shutil.rmtree(made[0].parents[1], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gpu_dry_run() -> Iterator[tuple[subprocess.CompletedProcess[str], Path]]:
+    """`benchmarks.gpu_check --dry-run`'s run and its results file (distribution.gpu_check)."""
+    yield from _gpu_check("gpu_dry_run")
+
+
+@pytest.fixture(scope="session")
+def gpu_wheels() -> Iterator[tuple[subprocess.CompletedProcess[str], Path]]:
+    """`benchmarks.gpu_check --prepare`'s run and the folder of wheels it prepared."""
+    yield from _gpu_check("gpu_wheels")
+
+
+def _gpu_check(fixture: str) -> Iterator[tuple[subprocess.CompletedProcess[str], Path]]:
+    import distribution
+
+    made = headstart.result(fixture, functools.partial(distribution.gpu_check, GPU_CHECK[fixture]))
+    yield made
+    shutil.rmtree(made[1].parent, ignore_errors=True)
+
+
+def _fsdp_runs() -> tuple[Path, dict[str, Any]]:
+    import fsdpruns
+
+    root = Path(tempfile.mkdtemp(prefix="scriptserve-fsdp-"))
+    return root, fsdpruns.strategy_runs(root)
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs() -> Iterator[dict[str, Any]]:
+    """The same seeded training one process, DDP and FSDP on two ranks (tests/fsdpruns.py)."""
+    root, runs = headstart.result("fsdp_runs", _fsdp_runs)
+    yield runs
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -77,3 +77,23 @@ def gpu_layer() -> tuple[Path, str]:
     if done.returncode != 0:
         raise RuntimeError(f"gpu-layer.sh failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return root / "venv" / "bin", done.stdout
+
+
+def gpu_check(option: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`python -m benchmarks.gpu_check` with `--dry-run` (the path is its results file) or
+    `--prepare` (the path is the folder of wheels it prepared), into a fresh temporary folder
+    that the caller deletes: about half a minute each, so they get a head start."""
+    root = Path(tempfile.mkdtemp(prefix="scriptserve-gpu-check-"))
+    if option == "--dry-run":
+        path, argv = root / "gpu.json", ["--dry-run", "--seconds", "0.5", "--out"]
+    else:
+        path, argv = root / "wheels", ["--prepare"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", *argv, str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    return done, path

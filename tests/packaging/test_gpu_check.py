@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import distribution
-import pytest
 
 from benchmarks import gpu_check
 
@@ -26,14 +24,10 @@ def test_the_check_runs_every_file_that_holds_gpu_tests() -> None:
     assert marked == sorted(gpu_check.GPU_TESTS)
 
 
-@pytest.mark.slow
-def test_the_dry_run_goes_through_every_step_on_the_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "gpu.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--seconds", "0.5",
-         "--out", str(out)],
-        cwd=distribution.REPO, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+def test_the_dry_run_goes_through_every_step_on_the_cpu(
+    gpu_dry_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, out = gpu_dry_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     steps = result["steps"]
@@ -54,13 +48,10 @@ def test_the_dry_run_goes_through_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert figures["onnx_cuda"].startswith("not measured")  # this onnxruntime is the CPU build
 
 
-@pytest.mark.slow
-def test_the_wheels_for_the_gpu_machine_fit_what_may_travel(tmp_path: Path) -> None:
-    wheels = tmp_path / "wheels"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--prepare", str(wheels)],
-        cwd=distribution.REPO, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+def test_the_wheels_for_the_gpu_machine_fit_what_may_travel(
+    gpu_wheels: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, wheels = gpu_wheels
     assert done.returncode == 0, done.stderr[-3000:]
     names = [p.name for p in wheels.glob("*.whl")]
     assert not [n for n in names if n.startswith("scriptserve-")]  # built there, from the tree

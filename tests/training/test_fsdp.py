@@ -8,20 +8,16 @@ is the order of floating-point sums (gradients averaged over ranks, FSDP's reduc
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
-import subprocess
-import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fsdpruns import ONE_PROCESS, TWO_RANKS, Run, training
 from serving import free_port
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -29,7 +25,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from scriptserve.archiver.archive import open_archive
 from scriptserve.training import data
 from scriptserve.training.distributed import DistInfo
-from scriptserve.training.export import run_torchscript
 from scriptserve.training.models import Net
 from scriptserve.training.run import TrainConfig, train
 from scriptserve.training.sharded_checkpoint import (
@@ -40,14 +35,6 @@ from scriptserve.training.sharded_checkpoint import (
 )
 from scriptserve.training.strategy import precision
 
-QUICK = ["--epochs", "3", "--train-limit", "300", "--no-progress", "--formats", "torchscript"]
-ONE_PROCESS = ["--batch-size", "64"]  # the global batch of two ranks of 32
-TWO_RANKS = ["--batch-size", "32"]
-# Measured on this test's runs (3 epochs, 300 images, float32 on the CPU): DDP and FSDP agree
-# exactly; one process and a 2 -> 1 -> 2 resumed run differ from them by at most 6e-8 in the
-# logits, 3e-8 in the weights and 7e-8 in the final loss. The tolerances leave two orders of
-# magnitude for other CPUs' summation orders, and stay far below what a resume bug does to the
-# same run: losing the optimizer's momentum moves the logits by 5e-2, one epoch fewer by 9e-2.
 LOGIT_ATOL = 1e-5
 WEIGHT_ATOL = 1e-6
 LOSS_ATOL = 1e-6
@@ -57,56 +44,6 @@ EPOCH_LINE = re.compile(
     r"val_acc=\d\.\d{4} \(\d+\.\d+s, \d+ samples/s\)"
 )
 SHARE_LINE = re.compile(r"\[rank (\d)\]: (\w+): this rank holds (\d+) of (\d+) parameters")
-
-
-@dataclass(frozen=True)
-class Run:
-    out: Path
-    log: str
-
-    @property
-    def archive(self) -> Path:
-        return self.out / "digits-torchscript.mar"
-
-    @property
-    def metrics(self) -> dict[str, object]:
-        saved: dict[str, object] = json.loads(
-            (self.out / "digits-training" / "metrics.json").read_text()
-        )
-        return saved
-
-    def logits(self, inputs: np.ndarray) -> np.ndarray:
-        with open_archive(self.archive) as reader:
-            return run_torchscript(reader.path("model.pt"), inputs)
-
-
-def training(
-    out: Path, *args: str, ranks: int, launcher: tuple[str, ...] = (), **env_vars: str
-) -> Run:
-    """`python -m scriptserve.training` in one process, or under torchrun on `ranks` ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_vars}
-    if ranks == 1 and not launcher:
-        cmd = [sys.executable]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run"]
-        cmd += list(launcher) or ["--standalone", f"--nproc_per_node={ranks}"]
-    cmd += ["-m", "scriptserve.training", *QUICK, "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return Run(out, proc.stderr)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """The same seeded training three ways: one process, DDP and FSDP on two gloo ranks."""
-    root = tmp_path_factory.mktemp("strategies")
-    # Independent runs (each `--standalone` launcher on a port of its own): at once, so that
-    # one's imports and rendezvous overlap another's training.
-    with ThreadPoolExecutor(3) as pool:
-        one = pool.submit(training, root / "one", *ONE_PROCESS, ranks=1)
-        ddp = pool.submit(training, root / "ddp", *TWO_RANKS, "--strategy", "ddp", ranks=2)
-        fsdp = pool.submit(training, root / "fsdp", *TWO_RANKS, "--strategy", "fsdp", ranks=2)
-        return {"one process": one.result(), "ddp": ddp.result(), "fsdp": fsdp.result()}
 
 
 @pytest.fixture(scope="module")
@@ -120,41 +57,41 @@ def max_logit_difference(a: Run, b: Run, inputs: np.ndarray) -> float:
 
 @pytest.mark.slow
 def test_fsdp_ddp_and_one_process_end_within_tolerance(
-    runs: dict[str, Run], test_inputs: np.ndarray
+    fsdp_runs: dict[str, Run], test_inputs: np.ndarray
 ) -> None:
-    one, ddp, fsdp = runs["one process"], runs["ddp"], runs["fsdp"]
+    one, ddp, fsdp = fsdp_runs["one process"], fsdp_runs["ddp"], fsdp_runs["fsdp"]
     assert max_logit_difference(fsdp, ddp, test_inputs) <= LOGIT_ATOL
     assert max_logit_difference(fsdp, one, test_inputs) <= LOGIT_ATOL
     assert max_logit_difference(ddp, one, test_inputs) <= LOGIT_ATOL
-    losses = {name: run.metrics["history"][-1]["train_loss"] for name, run in runs.items()}  # type: ignore[index]
+    losses = {name: run.metrics["history"][-1]["train_loss"] for name, run in fsdp_runs.items()}  # type: ignore[index]
     assert max(losses.values()) - min(losses.values()) <= LOSS_ATOL, losses
-    accuracies = {run.metrics["test_accuracy"] for run in runs.values()}
+    accuracies = {run.metrics["test_accuracy"] for run in fsdp_runs.values()}
     assert len(accuracies) == 1, accuracies  # the same images right, whichever strategy
-    for name, run in runs.items():
+    for name, run in fsdp_runs.items():
         assert EPOCH_LINE.search(run.log), (name, run.log[-2000:])  # loss, accuracy, samples/s
         assert (run.out / "digits-training" / "curve.png").read_bytes()[:4] == b"\x89PNG"
     assert fsdp.metrics["strategy"] == "fsdp" and fsdp.metrics["world_size"] == 2
 
 
 @pytest.mark.slow
-def test_each_fsdp_rank_holds_half_of_the_parameters(runs: dict[str, Run]) -> None:
-    found = SHARE_LINE.finditer(runs["fsdp"].log)
+def test_each_fsdp_rank_holds_half_of_the_parameters(fsdp_runs: dict[str, Run]) -> None:
+    found = SHARE_LINE.finditer(fsdp_runs["fsdp"].log)
     shares = {int(m[1]): (m[2], int(m[3]), int(m[4])) for m in found}
     assert shares == {
         0: ("fsdp", LENET_PARAMETERS // 2, LENET_PARAMETERS),
         1: ("fsdp", LENET_PARAMETERS // 2, LENET_PARAMETERS),
     }  # every LeNet layer has an even number of rows: exactly half each
-    ddp = {int(m[1]): int(m[3]) for m in SHARE_LINE.finditer(runs["ddp"].log)}
+    ddp = {int(m[1]): int(m[3]) for m in SHARE_LINE.finditer(fsdp_runs["ddp"].log)}
     assert ddp == {0: LENET_PARAMETERS, 1: LENET_PARAMETERS}
     # Only the main rank published: one archive, one test-accuracy line, from rank 0.
-    assert [p.name for p in runs["fsdp"].out.glob("*.mar")] == ["digits-torchscript.mar"]
-    assert "[rank 0]: test accuracy" in runs["fsdp"].log
-    assert "[rank 1]: test accuracy" not in runs["fsdp"].log
-    assert "[rank 1]: epoch 3/3" in runs["fsdp"].log  # both ranks trained
+    assert [p.name for p in fsdp_runs["fsdp"].out.glob("*.mar")] == ["digits-torchscript.mar"]
+    assert "[rank 0]: test accuracy" in fsdp_runs["fsdp"].log
+    assert "[rank 1]: test accuracy" not in fsdp_runs["fsdp"].log
+    assert "[rank 1]: epoch 3/3" in fsdp_runs["fsdp"].log  # both ranks trained
 
 
 @pytest.mark.slow
-def test_archive_is_the_same_whichever_strategy_trained_it(runs: dict[str, Run]) -> None:
+def test_archive_is_the_same_whichever_strategy_trained_it(fsdp_runs: dict[str, Run]) -> None:
     def contents(run: Run) -> tuple[list[str], dict[str, torch.Tensor], object]:
         with open_archive(run.archive) as reader:
             files = sorted(str(p.relative_to(reader.root)) for p in reader.root.rglob("*"))
@@ -164,10 +101,10 @@ def test_archive_is_the_same_whichever_strategy_trained_it(runs: dict[str, Run])
             signature = reader.manifest.scriptserve.signature  # type: ignore[union-attr]
         return files, dict(module.state_dict()), signature
 
-    files, weights, signature = contents(runs["one process"])
+    files, weights, signature = contents(fsdp_runs["one process"])
     assert weights["fc1.weight"].shape == (120, 400)  # whole, unsharded weights
     for name in ("ddp", "fsdp"):
-        other_files, other_weights, other_signature = contents(runs[name])
+        other_files, other_weights, other_signature = contents(fsdp_runs[name])
         assert (other_files, other_signature) == (files, signature), name
         assert other_weights.keys() == weights.keys(), name
         for key, value in weights.items():
@@ -176,7 +113,7 @@ def test_archive_is_the_same_whichever_strategy_trained_it(runs: dict[str, Run])
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_resumes_on_one_process_then_on_two_ranks(
-    tmp_path: Path, runs: dict[str, Run], test_inputs: np.ndarray
+    tmp_path: Path, fsdp_runs: dict[str, Run], test_inputs: np.ndarray
 ) -> None:
     """Epoch 1 on two ranks, epoch 2 in one process, epoch 3 on two ranks with CPU offload."""
     out = tmp_path / "store"
@@ -192,13 +129,13 @@ def test_fsdp_checkpoint_resumes_on_one_process_then_on_two_ranks(
     )  # fmt: skip
     assert "(written by 1 rank, read by 2)" in two.log and "cpu offload on" in two.log
     assert [h["epoch"] for h in two.metrics["history"]] == [1, 2, 3]  # type: ignore[attr-defined]
-    assert max_logit_difference(two, runs["fsdp"], test_inputs) <= LOGIT_ATOL
-    assert max_logit_difference(two, runs["one process"], test_inputs) <= LOGIT_ATOL
+    assert max_logit_difference(two, fsdp_runs["fsdp"], test_inputs) <= LOGIT_ATOL
+    assert max_logit_difference(two, fsdp_runs["one process"], test_inputs) <= LOGIT_ATOL
 
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_fsdp_from_its_sharded_checkpoint(
-    tmp_path: Path, runs: dict[str, Run], test_inputs: np.ndarray
+    tmp_path: Path, fsdp_runs: dict[str, Run], test_inputs: np.ndarray
 ) -> None:
     launcher = (
         "--nnodes=1:2", "--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
@@ -213,7 +150,7 @@ def test_elastic_restart_resumes_fsdp_from_its_sharded_checkpoint(
     assert "simulated failure after epoch 1" in restarted.log
     assert "(written by 2 ranks, read by 2)" in restarted.log
     assert "[rank 1]: resumed from" in restarted.log and "after epoch 1" in restarted.log
-    assert max_logit_difference(restarted, runs["fsdp"], test_inputs) <= LOGIT_ATOL
+    assert max_logit_difference(restarted, fsdp_runs["fsdp"], test_inputs) <= LOGIT_ATOL
 
 
 def test_sharded_checkpoint_round_trips_in_one_process(tmp_path: Path) -> None:
