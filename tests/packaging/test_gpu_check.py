@@ -58,3 +58,22 @@ def test_the_wheels_for_the_gpu_machine_fit_what_may_travel(
     assert any(n.startswith("grpcio-") and "cp312" in n for n in names)
     assert not [n for n in names if re.match(r"(torch|onnxruntime|nvidia)[-_]", n)]
     assert sum(p.stat().st_size for p in wheels.glob("*.whl")) <= gpu_check.LIMIT_BYTES
+
+
+def test_each_step_is_written_as_it_ends_and_an_exit_fails_only_its_step(tmp_path: Path) -> None:
+    """A check stopped by a time limit still says how far it got; a command-line tool's exit
+    inside a step (model-archiver's SystemExit) fails that step, not the check."""
+    check = gpu_check.Check(dry_run=True, wheels=None, seconds=0.1)
+    check.out = tmp_path / "gpu.json"
+
+    def exits() -> dict[str, object]:
+        raise SystemExit(1)
+
+    check.step("archives", exits)
+    written = json.loads(check.out.read_text())["steps"]
+    assert written["archives"]["ok"] is False and "SystemExit" in written["archives"]["error"]
+
+    check.step("served", lambda: {"mean_batch": 3.0})
+    written = json.loads(check.out.read_text())["steps"]
+    assert list(written) == ["archives", "served"]
+    assert written["served"]["ok"] is True and written["served"]["mean_batch"] == 3.0
