@@ -1,8 +1,9 @@
-"""The training runs the FSDP tests compare (tests/training/test_fsdp.py): `training` launches
-`python -m scriptserve.training` in one process or under torchrun, and `strategy_runs` makes the
-same seeded run three ways (one process, DDP and FSDP on two gloo ranks) at once. The three
-take about 18 s of CPU; the `fsdp_runs` fixture's head start (tests/conftest.py) begins them at
-collection, at low priority, while other tests wait on servers.
+"""The training runs the FSDP tests read (tests/training/test_fsdp.py): `training` launches
+`python -m scriptserve.training` in one process or under torchrun, and `strategy_runs` makes,
+at once, the same seeded run three ways (one process, DDP and FSDP on two gloo ranks), a run
+resumed across world sizes and an elastic restart. They took about 55 s of the suite one after
+another; the `fsdp_runs` fixture's head start (tests/conftest.py) begins them at collection, at
+low priority, while other tests wait on servers.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from serving import free_port
 
 from scriptserve.archiver.archive import open_archive
 from scriptserve.training.export import run_torchscript
@@ -62,12 +65,63 @@ def training(
     return Run(out, proc.stderr)
 
 
-def strategy_runs(root: Path) -> dict[str, Run]:
-    """The same seeded training three ways: one process, DDP and FSDP on two gloo ranks.
-    Independent runs (each `--standalone` launcher on a port of its own): at once, so that one's
-    imports and rendezvous overlap another's training."""
-    with ThreadPoolExecutor(3) as pool:
-        one = pool.submit(training, root / "one", *ONE_PROCESS, ranks=1)
-        ddp = pool.submit(training, root / "ddp", *TWO_RANKS, "--strategy", "ddp", ranks=2)
-        fsdp = pool.submit(training, root / "fsdp", *TWO_RANKS, "--strategy", "fsdp", ranks=2)
-        return {"one process": one.result(), "ddp": ddp.result(), "fsdp": fsdp.result()}
+@dataclass(frozen=True)
+class Resumed:
+    """A run stopped after epoch 1 on two ranks, resumed in one process and stopped after epoch
+    2 (`one`), then resumed on two ranks with CPU offload to its end (`two`)."""
+
+    one: Run
+    two: Run
+    published_before_the_end: list[str]
+    """The archives in its folder after `one`: none, as it stopped twice."""
+
+
+def resumed_runs(out: Path) -> Resumed:
+    training(out, *TWO_RANKS, "--strategy", "fsdp", "--stop-after-epoch", "1", ranks=2)
+    one = training(
+        out, *ONE_PROCESS, "--strategy", "fsdp", "--resume", "--stop-after-epoch", "2", ranks=1
+    )
+    published = sorted(p.name for p in out.glob("*.mar"))
+    two = training(out, *TWO_RANKS, "--strategy", "fsdp", "--cpu-offload", "--resume", ranks=2)
+    return Resumed(one, two, published)
+
+
+def restarted_run(out: Path) -> Run:
+    """FSDP on two ranks under an elastic launcher (one restart allowed), rank 1 failing once
+    after epoch 1."""
+    launcher = (
+        "--nnodes=1:2",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-conf=last_call_timeout=1",
+    )
+    # Without a fresh store per attempt, the restarted ranks can read the dead ranks' addresses
+    # (pytorch/pytorch#135712): DDP and FSDP runs alike fail to reconnect on torch 2.13.
+    return training(
+        out,
+        *TWO_RANKS,
+        "--strategy",
+        "fsdp",
+        "--fail-once-at-epoch",
+        "1",
+        ranks=2,
+        launcher=launcher,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+
+
+def strategy_runs(root: Path) -> dict[str, Any]:
+    """Every run the FSDP tests read, at once (each launcher on a port of its own), so that
+    one's imports and rendezvous overlap another's training: the same seeded training in one
+    process, DDP and FSDP on two gloo ranks; the resumed runs; the elastic restart."""
+    with ThreadPoolExecutor(5) as pool:
+        runs = {
+            "one process": pool.submit(training, root / "one", *ONE_PROCESS, ranks=1),
+            "ddp": pool.submit(training, root / "ddp", *TWO_RANKS, "--strategy", "ddp", ranks=2),
+            "fsdp": pool.submit(training, root / "fsdp", *TWO_RANKS, "--strategy", "fsdp", ranks=2),
+            "resumed": pool.submit(resumed_runs, root / "resumed"),
+            "restarted": pool.submit(restarted_run, root / "restarted"),
+        }
+        return {name: future.result() for name, future in runs.items()}

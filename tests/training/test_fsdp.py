@@ -13,12 +13,12 @@ import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from fsdpruns import ONE_PROCESS, TWO_RANKS, Run, training
-from serving import free_port
+from fsdpruns import TWO_RANKS, Resumed, Run, training
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -57,24 +57,25 @@ def max_logit_difference(a: Run, b: Run, inputs: np.ndarray) -> float:
 
 @pytest.mark.slow
 def test_fsdp_ddp_and_one_process_end_within_tolerance(
-    fsdp_runs: dict[str, Run], test_inputs: np.ndarray
+    fsdp_runs: dict[str, Any], test_inputs: np.ndarray
 ) -> None:
-    one, ddp, fsdp = fsdp_runs["one process"], fsdp_runs["ddp"], fsdp_runs["fsdp"]
+    strategies: dict[str, Run] = {n: fsdp_runs[n] for n in ("one process", "ddp", "fsdp")}
+    one, ddp, fsdp = strategies.values()
     assert max_logit_difference(fsdp, ddp, test_inputs) <= LOGIT_ATOL
     assert max_logit_difference(fsdp, one, test_inputs) <= LOGIT_ATOL
     assert max_logit_difference(ddp, one, test_inputs) <= LOGIT_ATOL
-    losses = {name: run.metrics["history"][-1]["train_loss"] for name, run in fsdp_runs.items()}  # type: ignore[index]
+    losses = {name: run.metrics["history"][-1]["train_loss"] for name, run in strategies.items()}  # type: ignore[index]
     assert max(losses.values()) - min(losses.values()) <= LOSS_ATOL, losses
-    accuracies = {run.metrics["test_accuracy"] for run in fsdp_runs.values()}
+    accuracies = {run.metrics["test_accuracy"] for run in strategies.values()}
     assert len(accuracies) == 1, accuracies  # the same images right, whichever strategy
-    for name, run in fsdp_runs.items():
+    for name, run in strategies.items():
         assert EPOCH_LINE.search(run.log), (name, run.log[-2000:])  # loss, accuracy, samples/s
         assert (run.out / "digits-training" / "curve.png").read_bytes()[:4] == b"\x89PNG"
     assert fsdp.metrics["strategy"] == "fsdp" and fsdp.metrics["world_size"] == 2
 
 
 @pytest.mark.slow
-def test_each_fsdp_rank_holds_half_of_the_parameters(fsdp_runs: dict[str, Run]) -> None:
+def test_each_fsdp_rank_holds_half_of_the_parameters(fsdp_runs: dict[str, Any]) -> None:
     found = SHARE_LINE.finditer(fsdp_runs["fsdp"].log)
     shares = {int(m[1]): (m[2], int(m[3]), int(m[4])) for m in found}
     assert shares == {
@@ -91,7 +92,7 @@ def test_each_fsdp_rank_holds_half_of_the_parameters(fsdp_runs: dict[str, Run]) 
 
 
 @pytest.mark.slow
-def test_archive_is_the_same_whichever_strategy_trained_it(fsdp_runs: dict[str, Run]) -> None:
+def test_archive_is_the_same_whichever_strategy_trained_it(fsdp_runs: dict[str, Any]) -> None:
     def contents(run: Run) -> tuple[list[str], dict[str, torch.Tensor], object]:
         with open_archive(run.archive) as reader:
             files = sorted(str(p.relative_to(reader.root)) for p in reader.root.rglob("*"))
@@ -113,20 +114,16 @@ def test_archive_is_the_same_whichever_strategy_trained_it(fsdp_runs: dict[str, 
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_resumes_on_one_process_then_on_two_ranks(
-    tmp_path: Path, fsdp_runs: dict[str, Run], test_inputs: np.ndarray
+    fsdp_runs: dict[str, Any], test_inputs: np.ndarray
 ) -> None:
-    """Epoch 1 on two ranks, epoch 2 in one process, epoch 3 on two ranks with CPU offload."""
-    out = tmp_path / "store"
-    training(out, *TWO_RANKS, "--strategy", "fsdp", "--stop-after-epoch", "1", ranks=2)
-    one = training(out, *ONE_PROCESS, "--strategy", "fsdp", "--resume", "--stop-after-epoch",
-                   "2", ranks=1)  # fmt: skip
+    """Epoch 1 on two ranks, epoch 2 in one process, epoch 3 on two ranks with CPU offload
+    (fsdpruns.resumed_runs)."""
+    resumed: Resumed = fsdp_runs["resumed"]
+    one, two = resumed.one, resumed.two
     assert "(written by 2 ranks, read by 1)" in one.log
     assert "resumed from" in one.log and "after epoch 1" in one.log
     assert "epoch 1/3" not in one.log and "epoch 2/3" in one.log and "epoch 3/3" not in one.log
-    assert not list(out.glob("*.mar"))  # stopped twice: nothing published yet
-    two = training(
-        out, *TWO_RANKS, "--strategy", "fsdp", "--cpu-offload", "--resume", ranks=2
-    )  # fmt: skip
+    assert not resumed.published_before_the_end  # stopped twice: nothing published yet
     assert "(written by 1 rank, read by 2)" in two.log and "cpu offload on" in two.log
     assert [h["epoch"] for h in two.metrics["history"]] == [1, 2, 3]  # type: ignore[attr-defined]
     assert max_logit_difference(two, fsdp_runs["fsdp"], test_inputs) <= LOGIT_ATOL
@@ -135,18 +132,11 @@ def test_fsdp_checkpoint_resumes_on_one_process_then_on_two_ranks(
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_fsdp_from_its_sharded_checkpoint(
-    tmp_path: Path, fsdp_runs: dict[str, Run], test_inputs: np.ndarray
+    fsdp_runs: dict[str, Any], test_inputs: np.ndarray
 ) -> None:
-    launcher = (
-        "--nnodes=1:2", "--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=1",
-    )  # fmt: skip
-    # Without a fresh store per attempt, the restarted ranks can read the dead ranks' addresses
-    # (pytorch/pytorch#135712): DDP and FSDP runs alike fail to reconnect on torch 2.13.
-    restarted = training(
-        tmp_path / "store", *TWO_RANKS, "--strategy", "fsdp", "--fail-once-at-epoch", "1",
-        ranks=2, launcher=launcher, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-    )  # fmt: skip
+    """Two ranks under an elastic launcher, one failing once after epoch 1
+    (fsdpruns.restarted_run)."""
+    restarted: Run = fsdp_runs["restarted"]
     assert "simulated failure after epoch 1" in restarted.log
     assert "(written by 2 ranks, read by 2)" in restarted.log
     assert "[rank 1]: resumed from" in restarted.log and "after epoch 1" in restarted.log
