@@ -40,6 +40,7 @@ ARCHIVES: dict[tuple[str, str], tuple[str, ...]] = {
     # top-1 (benchmarks/zoo.py measures the full-size model's top-1 agreement).
     ("resnet50", "static-int8"): ("--min-top1-agreement", "0.9"),
     ("embedder", "dynamic-int8"): (),
+    ("gpt2", "dynamic-int8"): (),
 }
 """The archives made, by (model, quantization), with their extra model-archiver arguments."""
 MAX_BATCH = 16

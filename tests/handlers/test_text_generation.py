@@ -106,6 +106,30 @@ def test_torchscript_and_onnx_archives_give_the_eager_logits_and_generate_alike(
             assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, 8)
 
 
+def test_a_dynamic_int8_archive_runs_int8_kernels_and_generates_as_fp32_does(
+    zoo: ZooStore,
+) -> None:
+    """GPT-2 with dynamic int8 linear layers (sequence still dynamic): the accuracy guard held
+    its next-token choice to fp32's on the validation texts, and each prompt's greedy
+    continuation streams as the fp32 model's does."""
+    archive = zoo.archive("gpt2", "dynamic-int8")
+    with open_archive(archive) as reader:
+        assert reader.manifest.scriptserve is not None
+        quantization = reader.manifest.scriptserve.quantization
+        pt2 = reader.manifest.scriptserve.pt2
+    assert quantization.mode == "dynamic-int8"
+    assert any("qlinear" in k for k in quantization.details["quantizedOps"])
+    validation = quantization.details["validation"]
+    assert validation["top1_agreement"] >= 0.99 and validation["min_cosine"] >= 0.99
+    assert pt2 is not None and pt2.max_seq_len == 64
+
+    requests = [InferenceRequest(body=p.encode(), parameters={"max_tokens": 8}) for p in PROMPTS]
+    for handler in generator_of(archive):
+        for prompt, parts in zip(PROMPTS, answers(handler, *requests), strict=True):
+            assert all(p.error is None for p in parts), [p.error for p in parts]
+            assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, 8)
+
+
 def test_a_prompt_answers_alike_alone_and_padded_beside_a_longer_one(
     generator: TextGenerator,
 ) -> None:
