@@ -24,6 +24,7 @@ It talks to its slot's thread in the server over one pipe, in small messages:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -220,6 +221,9 @@ def child_main(conn: Connection, spec: ChildSpec) -> None:
     # Ctrl-C reaches the whole process group; the server decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_level, spec.log_format)  # the server's format
+    # A crash in native code (a compiled model, a GPU runtime) prints this worker's Python
+    # stacks to the server's stderr: the server itself sees only the signal it died of.
+    faulthandler.enable(all_threads=True)
     if spec.parent_pid:
         threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     context = spec.context

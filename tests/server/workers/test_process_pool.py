@@ -31,9 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 START_S = 120.0
 """A new worker process imports torch and loads the model: seconds, more on a busy machine."""
 RESPONSE_TIMEOUT_S = 2.0
-SLEEP, FAIL = 1234.0, 13.0
+SLEEP, FAIL, CRASH = 1234.0, 13.0, 66.0
 
 HANDLER = """
+import ctypes
 import time
 
 from scriptserve.handlers.tensor import TensorHandler
@@ -47,6 +48,8 @@ class Sleepy(TensorHandler):
                 time.sleep(float(x.flat[1]))
             if float(x.flat[0]) == 13.0:
                 raise ValueError("cannot read /opt/models/secret-weights.pt")
+            if float(x.flat[0]) == 66.0:
+                ctypes.string_at(0)  # native code reading through a null pointer: SIGSEGV
         return super().handle(requests, context)
 """
 
@@ -82,7 +85,10 @@ def served_right(response: InferenceResponse, req: InferenceRequest) -> bool:
 
 
 async def test_a_worker_process_serves_is_replaced_when_it_dies_or_hangs_and_stops_clean(
-    tmp_path: Path, make_archive: Callable[..., Path], torchscript_file: Path
+    tmp_path: Path,
+    make_archive: Callable[..., Path],
+    torchscript_file: Path,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     handler = tmp_path / "sleepy_handler.py"
     handler.write_text(textwrap.dedent(HANDLER))
@@ -136,6 +142,17 @@ async def test_a_worker_process_serves_is_replaced_when_it_dies_or_hangs_and_sto
         req = request(seed=2)
         assert served_right(await answer(submit(batcher, req)), req)
 
+        # A crash in native code (a compiled model's, say): the request is told its worker died
+        # of SIGSEGV, and the server's stderr holds the worker's Python stack where it crashed.
+        capfd.readouterr()
+        with pytest.raises(ModelNotReady) as crashed:
+            await answer(submit(batcher, request(CRASH)), timeout_s=10.0)
+        assert "died (killed by signal 11 (SIGSEGV))" in crashed.value.message
+        report = capfd.readouterr().err
+        assert "Fatal Python error: Segmentation fault" in report and "in handle" in report
+        await until(lambda: pool.live == 1 and slot.pid != second_pid, "a worker after the crash")
+        second_pid = slot.pid
+
         # Hung past the response timeout: 504 on time, killed, replaced.
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded):
@@ -149,7 +166,7 @@ async def test_a_worker_process_serves_is_replaced_when_it_dies_or_hangs_and_sto
         assert served_right(await answer(submit(batcher, req)), req)
         labels = {"model": "tiny", "version": "1.0"}
         restarts = metrics.registry.get_sample_value("scriptserve_worker_restarts_total", labels)
-        assert restarts == 2
+        assert restarts == 3
         last_pid = slot.pid
         segments = [slot.requests.name, slot.responses.name]
     finally:
