@@ -68,6 +68,18 @@ def greedy(zoo: ZooStore, prompt: str, tokens: int) -> str:
     return tokenizer.decode(ids[start:])
 
 
+def assert_generates_greedily(zoo: ZooStore, archive: Path, tokens: int = 8) -> None:
+    """Each prompt, batched beside the other, streams the eager fp32 model's greedy
+    continuation when `archive` serves it."""
+    requests = [
+        InferenceRequest(body=p.encode(), parameters={"max_tokens": tokens}) for p in PROMPTS
+    ]
+    for handler in generator_of(archive):
+        for prompt, parts in zip(PROMPTS, answers(handler, *requests), strict=True):
+            assert all(p.error is None for p in parts), [p.error for p in parts]
+            assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, tokens)
+
+
 def test_each_prompt_streams_the_models_greedy_continuation(
     zoo: ZooStore, generator: TextGenerator
 ) -> None:
@@ -99,11 +111,7 @@ def test_torchscript_and_onnx_archives_give_the_eager_logits_and_generate_alike(
         logits = load_backend(path, manifest.model_format, manifest=manifest).run(rows)
     np.testing.assert_allclose(next(iter(logits.values())), zoo_reference(built, rows), atol=1e-4)
 
-    requests = [InferenceRequest(body=p.encode(), parameters={"max_tokens": 8}) for p in PROMPTS]
-    for handler in generator_of(archive):
-        for prompt, parts in zip(PROMPTS, answers(handler, *requests), strict=True):
-            assert all(p.error is None for p in parts), [p.error for p in parts]
-            assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, 8)
+    assert_generates_greedily(zoo, archive)
 
 
 def test_a_dynamic_int8_archive_runs_int8_kernels_and_generates_as_fp32_does(
@@ -123,11 +131,7 @@ def test_a_dynamic_int8_archive_runs_int8_kernels_and_generates_as_fp32_does(
     assert validation["top1_agreement"] >= 0.99 and validation["min_cosine"] >= 0.99
     assert pt2 is not None and pt2.max_seq_len == 64
 
-    requests = [InferenceRequest(body=p.encode(), parameters={"max_tokens": 8}) for p in PROMPTS]
-    for handler in generator_of(archive):
-        for prompt, parts in zip(PROMPTS, answers(handler, *requests), strict=True):
-            assert all(p.error is None for p in parts), [p.error for p in parts]
-            assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, 8)
+    assert_generates_greedily(zoo, archive)
 
 
 def test_a_prompt_answers_alike_alone_and_padded_beside_a_longer_one(
