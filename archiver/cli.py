@@ -29,7 +29,7 @@ from scriptserve.archiver.model_file import ModelFileError
 from scriptserve.archiver.pt2_export import DEFAULT_MAX_BATCH
 from scriptserve.archiver.pt2_package import Pt2PackageError, compatibility_problem
 from scriptserve.archiver.quantize import ARCHIVE_MODES, QuantizationError, Tolerance
-from scriptserve.archiver.signature import SignatureError
+from scriptserve.handlers.runtime.signature import SignatureError
 
 USER_ERRORS = (
     ArchiveError,

@@ -63,7 +63,12 @@ from scriptserve.archiver.quantize import (
     quantize_model_file,
     quantize_pt2,
 )
-from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, numpy_dtype
+from scriptserve.handlers.runtime.signature import (
+    Signature,
+    SignatureError,
+    arrays_from_json,
+    numpy_dtype,
+)
 
 Report = Callable[[str], None]
 """Where a measurement line goes (model-archiver prints it to stderr)."""

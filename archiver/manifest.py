@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from scriptserve import __version__
-from scriptserve.archiver.signature import Signature, SignatureError
+from scriptserve.handlers.runtime.signature import Signature, SignatureError
 
 MANIFEST_PATH = "MAR-INF/MANIFEST.json"
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")

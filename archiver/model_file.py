@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from scriptserve.archiver.manifest import ModelFormat
-from scriptserve.archiver.signature import Signature, TensorSpec, datatype_of
+from scriptserve.handlers.runtime.signature import Signature, TensorSpec, datatype_of
 
 # onnxruntime's type strings -> OIP datatypes.
 _ORT_TYPES = {

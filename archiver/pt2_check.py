@@ -1,5 +1,5 @@
 """Checking `.pt2` packages at archive time, and running them in this process, through the same
-C ABI the server uses (archiver/aoti_runtime.py).
+C ABI the server uses (handlers/runtime/aoti.py).
 
 `check_package` refuses a package the server could not serve (proxy-executor calls, a fixed
 batch, another device), runs the sample with the generated code's input checks on, and
@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from scriptserve.archiver.aoti_runtime import AotiError, AotiLibrary
 from scriptserve.archiver.manifest import Pt2Info
 from scriptserve.archiver.model_file import ModelFileError
 from scriptserve.archiver.pt2_package import (
@@ -34,7 +33,8 @@ from scriptserve.archiver.pt2_package import (
     package_target,
     read_package,
 )
-from scriptserve.archiver.signature import Signature, TensorSpec, datatype_of
+from scriptserve.handlers.runtime.aoti import AotiError, AotiLibrary
+from scriptserve.handlers.runtime.signature import Signature, TensorSpec, datatype_of
 
 
 @dataclass(frozen=True)

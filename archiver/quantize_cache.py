@@ -100,7 +100,7 @@ def archive_samples(
     root: Path, manifest: Manifest
 ) -> tuple[dict[str, np.ndarray] | None, ValidationSamples | None]:
     """The archive's sample input and validation samples, where it has them."""
-    from scriptserve.archiver.signature import SignatureError, arrays_from_json
+    from scriptserve.handlers.runtime.signature import SignatureError, arrays_from_json
 
     info = manifest.scriptserve
     validation = None
@@ -122,7 +122,7 @@ def archive_samples(
 
 def _signature_sample(manifest: Manifest) -> dict[str, np.ndarray] | None:
     """One seeded random row per input, when the recorded signature fixes every other dim."""
-    from scriptserve.archiver.signature import numpy_dtype
+    from scriptserve.handlers.runtime.signature import numpy_dtype
 
     inputs = manifest.signature.inputs
     if not inputs or any(d < 0 for t in inputs for d in t.shape[1:]):

@@ -51,10 +51,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from scriptserve.archiver.manifest import Manifest
-from scriptserve.archiver.signature import Signature
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.metrics import HandlerMetrics
 from scriptserve.handlers.parts import PartSink, send_parts, set_sink
+from scriptserve.handlers.runtime.signature import Signature
 
 log = logging.getLogger("scriptserve.handlers")
 

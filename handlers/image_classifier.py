@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from scriptserve.archiver.signature import Signature, SignatureError, arrays_from_json, datatype_of
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import (
     BaseHandler,
@@ -46,6 +45,12 @@ from scriptserve.handlers.labels import (
     read_labels,
     top_classes,
     topk,
+)
+from scriptserve.handlers.runtime.signature import (
+    Signature,
+    SignatureError,
+    arrays_from_json,
+    datatype_of,
 )
 
 log = logging.getLogger("handlers.image_classifier")

@@ -15,13 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from scriptserve.archiver.signature import (
-    Signature,
-    SignatureError,
-    arrays_from_json,
-    arrays_from_text,
-    instances_from_texts,
-)
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import (
     BaseHandler,
@@ -29,6 +22,13 @@ from scriptserve.handlers.base import (
     HandlerError,
     InferenceRequest,
     InferenceResponse,
+)
+from scriptserve.handlers.runtime.signature import (
+    Signature,
+    SignatureError,
+    arrays_from_json,
+    arrays_from_text,
+    instances_from_texts,
 )
 
 

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from scriptserve.archiver.signature import TensorSpec, numpy_dtype
 from scriptserve.handlers.backends import BackendError
 from scriptserve.handlers.base import (
     BaseHandler,
@@ -40,6 +39,7 @@ from scriptserve.handlers.base import (
     InferenceRequest,
     InferenceResponse,
 )
+from scriptserve.handlers.runtime.signature import TensorSpec, numpy_dtype
 
 log = logging.getLogger("scriptserve.handlers.text")
 

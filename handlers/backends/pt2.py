@@ -1,5 +1,5 @@
 """AOTInductor backend: a `.pt2` package's compiled model, called through the AOTInductor
-runtime's C ABI (archiver/aoti_runtime.py), which releases the GIL for the whole call.
+runtime's C ABI (handlers/runtime/aoti.py), which releases the GIL for the whole call.
 
 PyTorch's own runners hold the GIL while the model runs (pytorch/pytorch#197516): measured
 0.93x from 1 to 2 threads, against 2.37x through the C ABI.
@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from scriptserve.archiver.aoti_runtime import AotiError, AotiLibrary
 from scriptserve.archiver.manifest import Manifest, Pt2Info
 from scriptserve.archiver.pt2_package import (
     Pt2Package,
@@ -45,13 +44,14 @@ from scriptserve.archiver.pt2_package import (
     compatibility_problem,
     read_package,
 )
-from scriptserve.archiver.signature import SignatureError, datatype_of, numpy_dtype
 from scriptserve.handlers.backends import (
     BackendError,
     InputRejected,
     parse_device,
     wants_cuda_graphs,
 )
+from scriptserve.handlers.runtime.aoti import AotiError, AotiLibrary
+from scriptserve.handlers.runtime.signature import SignatureError, datatype_of, numpy_dtype
 
 log = logging.getLogger("scriptserve.handlers.pt2")
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from scriptserve.archiver import json_numbers
-from scriptserve.archiver.json_numbers import array_from_text
-from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
+from scriptserve.handlers.runtime import json_numbers
+from scriptserve.handlers.runtime.json_numbers import array_from_text
+from scriptserve.handlers.runtime.signature import datatype_of
 from scriptserve.server.codec.header_values import non_negative_int
 from scriptserve.server.codec.tensors import (
     add_input,

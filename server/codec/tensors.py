@@ -18,8 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from scriptserve.archiver.json_numbers import JsonArray
-from scriptserve.archiver.signature import Signature, SignatureError, datatype_of, numpy_dtype
+from scriptserve.handlers.runtime.json_numbers import JsonArray
+from scriptserve.handlers.runtime.signature import (
+    Signature,
+    SignatureError,
+    datatype_of,
+    numpy_dtype,
+)
 from scriptserve.server.errors import InvalidInput
 
 

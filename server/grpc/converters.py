@@ -19,8 +19,8 @@ import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from scriptserve.archiver.signature import datatype_of
 from scriptserve.handlers.base import InferenceRequest
+from scriptserve.handlers.runtime.signature import datatype_of
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scriptserve import __version__
-from scriptserve.archiver.signature import Signature, TensorSpec
+from scriptserve.handlers.runtime.signature import Signature, TensorSpec
 from scriptserve.server.errors import ModelNotReady
 from scriptserve.server.models.model_configuration import model_configuration
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION

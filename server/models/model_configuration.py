@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from scriptserve.archiver.signature import TensorSpec
+from scriptserve.handlers.runtime.signature import TensorSpec
 from scriptserve.server.models.model_version import ModelVersion
 from scriptserve.server.workers.pool import WorkerState
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from scriptserve.archiver.archive import ArchiveReader
 from scriptserve.archiver.manifest import Manifest
-from scriptserve.archiver.signature import Signature
 from scriptserve.handlers.metrics import HandlerMetrics
+from scriptserve.handlers.runtime.signature import Signature
 from scriptserve.server.models.memory import Residency
 from scriptserve.server.models.model_settings import ModelSettings
 from scriptserve.server.workers import AnyWorkerPool

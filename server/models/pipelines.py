@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from scriptserve.archiver.manifest import ManifestError, check_model_name
-from scriptserve.archiver.signature import TensorSpec
+from scriptserve.handlers.runtime.signature import TensorSpec
 from scriptserve.server.errors import Conflict, InvalidInput, ModelNotFound, ModelNotReady
 
 log = logging.getLogger("scriptserve.pipelines")

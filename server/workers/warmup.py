@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scriptserve.archiver.signature import SignatureError, arrays_from_json
 from scriptserve.handlers.base import BaseHandler, Context, InferenceRequest, run_batch
+from scriptserve.handlers.runtime.signature import SignatureError, arrays_from_json
 
 log = logging.getLogger("scriptserve.workers")
 

@@ -18,9 +18,9 @@ from torch import nn
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.archiver.manifest import Manifest
-from scriptserve.archiver.signature import Signature, TensorSpec
 from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
 from scriptserve.handlers.loader import load_handler, read_model_config
+from scriptserve.handlers.runtime.signature import Signature, TensorSpec
 from scriptserve.handlers.tensor import TensorBatch, TensorHandler
 
 OUTPUT_NAME = {"torchscript": "output0", "onnx": "y"}

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from scriptserve.archiver.signature import Signature, SignatureError, TensorSpec
+from scriptserve.handlers.runtime.signature import Signature, SignatureError, TensorSpec
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,

@@ -10,8 +10,8 @@ import pytest
 import tsprotos
 from tritonclient.grpc import service_pb2 as triton
 
-from scriptserve.archiver.signature import TensorSpec
 from scriptserve.handlers.base import InferenceResponse
+from scriptserve.handlers.runtime.signature import TensorSpec
 from scriptserve.server.errors import InvalidInput, ModelNotFound
 from scriptserve.server.grpc import converters
 from scriptserve.server.inference.admission import Served

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from scriptserve.archiver import json_numbers
+from scriptserve.handlers.runtime import json_numbers
 
 # OIP datatype name <-> numpy dtype. BYTES tensors are numpy object arrays of bytes.
 _NUMPY_BY_DATATYPE: dict[str, np.dtype[Any]] = {

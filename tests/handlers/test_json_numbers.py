@@ -14,8 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scriptserve.archiver.json_numbers import JsonArray, array_from_text, loads, rows_from_texts
-from scriptserve.archiver.signature import (
+from scriptserve.handlers.runtime.json_numbers import (
+    JsonArray,
+    array_from_text,
+    loads,
+    rows_from_texts,
+)
+from scriptserve.handlers.runtime.signature import (
     Signature,
     SignatureError,
     TensorSpec,
