@@ -77,14 +77,26 @@ def alternate(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--other", default=sys.executable, help="the other tree's python")
-    p.add_argument("--other-env", action="append", default=[], metavar="NAME=VALUE",
-                   help="environment of the other server (repeatable)")  # fmt: skip
-    p.add_argument("--model", choices=("mlp", "cnn", "linear"), default="mlp",
-                   help="scenario A's MLP (default), scenario B's CNN, or the 512 -> 10 model "
-                        "that costs next to nothing (the request path alone)")  # fmt: skip
+    p.add_argument(
+        "--other-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of the other server (repeatable)",
+    )
+    p.add_argument(
+        "--model",
+        choices=("mlp", "cnn", "linear"),
+        default="mlp",
+        help="scenario A's MLP (default), scenario B's CNN, or the 512 -> 10 model "
+        "that costs next to nothing (the request path alone)",
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
@@ -113,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         f"this / other per round: {' '.join(f'{r:.3f}' for r in ratios)} "
         f"(median {statistics.median(ratios):.3f})"
     )
-    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    host = {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
     print(report.host_line(host))
     out = args.output or RESULTS / f"ab-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

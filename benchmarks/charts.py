@@ -74,12 +74,18 @@ class Result:
         parts = [f"{self.path.name}, {self.started[:16].replace('T', ' ')}"]
         if host:
             load = host.get("load_average_before", [None])[0]
-            parts.append(f"{host.get('cpus', '?')} CPUs, load average {load:.1f} at start"
-                         if load is not None else f"{host.get('cpus', '?')} CPUs")  # fmt: skip
+            parts.append(
+                f"{host.get('cpus', '?')} CPUs, load average {load:.1f} at start"
+                if load is not None
+                else f"{host.get('cpus', '?')} CPUs"
+            )
         if options:
             rounds, seconds = options.get("repeats", "?"), options.get("seconds", "?")
-            parts.append(f"{rounds} rounds of {seconds:g} s" if isinstance(seconds, float)
-                         else f"{rounds} rounds of {seconds} s")  # fmt: skip
+            parts.append(
+                f"{rounds} rounds of {seconds:g} s"
+                if isinstance(seconds, float)
+                else f"{rounds} rounds of {seconds} s"
+            )
         if "note" in self.document:
             parts.append(str(self.document["note"]))
         return "; ".join(parts)
@@ -138,8 +144,14 @@ def draw_bars(ax: Axes, bars: Sequence[Bar], unit: str, fmt: str = "{:.0f}") -> 
         ecolor="#333333",
     )
     for x, b in zip(xs, bars, strict=True):
-        ax.annotate(fmt.format(b.median), (x, b.high), textcoords="offset points",
-                    xytext=(0, 3), ha="center", fontsize=8)  # fmt: skip
+        ax.annotate(
+            fmt.format(b.median),
+            (x, b.high),
+            textcoords="offset points",
+            xytext=(0, 3),
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xticks(list(xs), [b.label for b in bars], fontsize=7.5)
     ax.set_ylabel(unit)
     ax.margins(y=0.15)
@@ -169,11 +181,18 @@ def throughput_chart(http: Mapping[str, Result], out: Path) -> None:
             draw_bars(ax, bars, "requests/s")
             ax.set_title(f"Scenario {key}, {conns} connection{'s' * (conns != '1')}", fontsize=10)
         axes[row][0].annotate(
-            f"{scenario['title']}\n{result.note()}", (0, 1.16), xycoords="axes fraction",
-            fontsize=7.5, color="#444444", va="bottom",
-        )  # fmt: skip
-    fig.suptitle("Throughput: scriptserve against the FastAPI baselines (wrk, closed loop; "
-                 "higher is better)", fontsize=11)  # fmt: skip
+            f"{scenario['title']}\n{result.note()}",
+            (0, 1.16),
+            xycoords="axes fraction",
+            fontsize=7.5,
+            color="#444444",
+            va="bottom",
+        )
+    fig.suptitle(
+        "Throughput: scriptserve against the FastAPI baselines (wrk, closed loop; "
+        "higher is better)",
+        fontsize=11,
+    )
     fig.tight_layout(h_pad=3.5)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -190,26 +209,47 @@ def latency_chart(http: Mapping[str, Result], out: Path) -> None:
             for offset, field, hatch in ((-width / 2, "p50_ms", ""), (width / 2, "p99_ms", "//")):
                 figures = [spread(scenario["runs"][k][conns], field) for k in keys]
                 xs = [i + offset for i in range(len(keys))]
-                ax.bar(xs, [f[0] for f in figures], width, color=[color_of(k) for k in keys],
-                       hatch=hatch, edgecolor="white",
-                       yerr=[[f[0] - f[1] for f in figures], [f[2] - f[0] for f in figures]],
-                       capsize=2, ecolor="#333333")  # fmt: skip
+                ax.bar(
+                    xs,
+                    [f[0] for f in figures],
+                    width,
+                    color=[color_of(k) for k in keys],
+                    hatch=hatch,
+                    edgecolor="white",
+                    yerr=[[f[0] - f[1] for f in figures], [f[2] - f[0] for f in figures]],
+                    capsize=2,
+                    ecolor="#333333",
+                )
                 for x, f in zip(xs, figures, strict=True):
-                    ax.annotate(f"{f[0]:.3g}", (x, f[2]), textcoords="offset points",
-                                xytext=(0, 2), ha="center", fontsize=6.5)  # fmt: skip
+                    ax.annotate(
+                        f"{f[0]:.3g}",
+                        (x, f[2]),
+                        textcoords="offset points",
+                        xytext=(0, 2),
+                        ha="center",
+                        fontsize=6.5,
+                    )
             ax.set_xticks(range(len(keys)), [LABELS.get(k, k) for k in keys], fontsize=7.5)
             ax.set_ylabel("ms")
             ax.margins(y=0.15)
             ax.grid(axis="y", alpha=0.3)
             ax.set_axisbelow(True)
-            ax.set_title(f"Scenario {key}, {conns} connection{'s' * (conns != '1')}: "
-                         "p50 (plain), p99 (hatched)", fontsize=10)  # fmt: skip
+            ax.set_title(
+                f"Scenario {key}, {conns} connection{'s' * (conns != '1')}: "
+                "p50 (plain), p99 (hatched)",
+                fontsize=10,
+            )
         axes[row][0].annotate(
-            f"{scenario['title']}\n{result.note()}", (0, 1.16), xycoords="axes fraction",
-            fontsize=7.5, color="#444444", va="bottom",
-        )  # fmt: skip
-    fig.suptitle("Latency: scriptserve against the FastAPI baselines (lower is better)",
-                 fontsize=11)  # fmt: skip
+            f"{scenario['title']}\n{result.note()}",
+            (0, 1.16),
+            xycoords="axes fraction",
+            fontsize=7.5,
+            color="#444444",
+            va="bottom",
+        )
+    fig.suptitle(
+        "Latency: scriptserve against the FastAPI baselines (lower is better)", fontsize=11
+    )
     fig.tight_layout(h_pad=3.5)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -220,11 +260,24 @@ def grpc_chart(result: Result, out: Path) -> None:
     keys = [k for k in GRPC_LABELS if k in runs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.4))
     colors = ["#9a9a9a" if k.startswith("rest") else SCRIPTSERVE_COLOR for k in keys]
-    draw_bars(left, [Bar(GRPC_LABELS[k], c, *spread(runs[k], "rps"))
-                     for k, c in zip(keys, colors, strict=True)], "requests/s")  # fmt: skip
+    draw_bars(
+        left,
+        [
+            Bar(GRPC_LABELS[k], c, *spread(runs[k], "rps"))
+            for k, c in zip(keys, colors, strict=True)
+        ],
+        "requests/s",
+    )
     left.set_title("Throughput (higher is better)", fontsize=10)
-    draw_bars(right, [Bar(GRPC_LABELS[k], c, *spread(runs[k], "p99_ms"))
-                      for k, c in zip(keys, colors, strict=True)], "ms", "{:.1f}")  # fmt: skip
+    draw_bars(
+        right,
+        [
+            Bar(GRPC_LABELS[k], c, *spread(runs[k], "p99_ms"))
+            for k, c in zip(keys, colors, strict=True)
+        ],
+        "ms",
+        "{:.1f}",
+    )
     right.set_title("p99 latency (lower is better)", fontsize=10)
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=7)
@@ -239,10 +292,18 @@ def grpc_chart(result: Result, out: Path) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.charts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--http", type=Path, nargs="*", default=[],
-                   help="http_load results (default: each scenario's newest full run)")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.charts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--http",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="http_load results (default: each scenario's newest full run)",
+    )
     p.add_argument("--grpc", type=Path, help="a grpc_load result (default: the newest full run)")
     p.add_argument("--out", type=Path, default=IMAGES, help="folder for the PNGs (docs/images)")
     return p.parse_args(argv)

@@ -161,8 +161,17 @@ class Check:
             if importlib.util.find_spec("scriptserve") is None:
                 raise RuntimeError("scriptserve is not installed: give --wheels DIR")
             return {"installed": "nothing (no --wheels): scriptserve as found"}
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-               "--no-index", "--find-links", str(self.wheels)]  # fmt: skip
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--find-links",
+            str(self.wheels),
+        ]
         # With the minimums: a machine's older protobuf or grpcio (gencode must not be newer than
         # the runtime) is upgraded from the wheels; what is new enough is kept.
         _pip(pip, TRAVEL)
@@ -171,10 +180,17 @@ class Check:
         built = WORK / "wheel"
         done = subprocess.run(
             [str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(built)],
-            env={**os.environ, "PYTHON": sys.executable, "PIP_NO_INDEX": "1",
-                 "PIP_NO_BUILD_ISOLATION": "false"},  # pip reads "no-" options inverted
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            env={
+                **os.environ,
+                "PYTHON": sys.executable,
+                "PIP_NO_INDEX": "1",
+                "PIP_NO_BUILD_ISOLATION": "false",
+            },  # pip reads "no-" options inverted
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"building scriptserve's wheel failed:\n{done.stderr[-2000:]}")
         (wheel,) = built.glob("scriptserve-*.whl")
@@ -230,8 +246,17 @@ class Check:
         torch.save(module.state_dict(), src / "mlp-weights.pt")
         torch.jit.script(module).save(str(src / "mlp.pt"))  # type: ignore[no-untyped-call]
         (src / "sample.json").write_text(json.dumps([0.01 * i for i in range(FEATURES)]))
-        common = ["--version", "1.0", "--handler", "tensor", "--export-path", str(self.store),
-                  "--sample-input", str(src / "sample.json"), "-f"]  # fmt: skip
+        common = [
+            "--version",
+            "1.0",
+            "--handler",
+            "tensor",
+            "--export-path",
+            str(self.store),
+            "--sample-input",
+            str(src / "sample.json"),
+            "-f",
+        ]
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(WORK / "inductor"))
         self.archives = {
             "torchscript": self.store / "mlp_ts.mar",
@@ -250,9 +275,22 @@ class Check:
         made["torchscript_s"] = round(time.perf_counter() - started, 1)
         started = time.perf_counter()
         device = "cuda" if self.device.startswith("cuda") else "cpu"
-        argv = ["--model-name", "mlp_pt2", "--export-pt2", "--model-file", str(src / "mlp.py"),
-                "--model-class", "MLP", "--serialized-file", str(src / "mlp-weights.pt"),
-                "--pt2-device", device, "--max-batch", "64", *common]  # fmt: skip
+        argv = [
+            "--model-name",
+            "mlp_pt2",
+            "--export-pt2",
+            "--model-file",
+            str(src / "mlp.py"),
+            "--model-class",
+            "MLP",
+            "--serialized-file",
+            str(src / "mlp-weights.pt"),
+            "--pt2-device",
+            device,
+            "--max-batch",
+            "64",
+            *common,
+        ]
         if model_archiver_main(argv) != 0:
             raise RuntimeError(f"model-archiver failed to compile the .pt2 for {device}")
         made["pt2_compile_s"] = round(time.perf_counter() - started, 1)
@@ -321,8 +359,9 @@ class Check:
                 manifest = reader.manifest
                 path = reader.root / manifest.model.serialized_file
                 for suffix, options in variants:
-                    backend = load_backend(path, manifest.model_format, self.device, 1, options,
-                                           manifest=manifest)  # fmt: skip
+                    backend = load_backend(
+                        path, manifest.model_format, self.device, 1, options, manifest=manifest
+                    )
                     for batch in BATCHES:
                         x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
                         figure = _in_process(backend, x, self.seconds / 2)
@@ -398,8 +437,9 @@ def _wait_ready(url: str, model: str, timeout_s: float = 120.0) -> None:
 
 
 def _oip_body(row: Any) -> dict[str, Any]:
-    return {"inputs": [{"name": "x", "shape": [1, FEATURES], "datatype": "FP32",
-                        "data": row.tolist()}]}  # fmt: skip
+    return {
+        "inputs": [{"name": "x", "shape": [1, FEATURES], "datatype": "FP32", "data": row.tolist()}]
+    }
 
 
 async def _rest_answers(url: str, model: str, rows: Any) -> Any:
@@ -499,14 +539,34 @@ def prepare(out: Path, python: str = "3.12") -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-         "-d", str(out), "--only-binary=:all:", "--python-version", python,
-         "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}",
-         "--platform", "manylinux_2_28_x86_64",
-         "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
-         "--platform", "any", *TRAVEL],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--disable-pip-version-check",
+            "-d",
+            str(out),
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            "--abi",
+            f"cp{python.replace('.', '')}",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "--platform",
+            "manylinux2014_x86_64",
+            "--platform",
+            "manylinux_2_17_x86_64",
+            "--platform",
+            "any",
+            *TRAVEL,
+        ],
         check=True,
-    )  # fmt: skip
+    )
     size = sum(f.stat().st_size for f in out.glob("*.whl"))
     print(f"{len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {out}")
     if size > LIMIT_BYTES:

@@ -41,8 +41,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def echo_server(mode: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`baselines/grpc_echo.py` in `mode` on a free port, once it answers; (address, process)."""
     port = free_port()
-    argv = [sys.executable, "-m", "benchmarks.baselines.grpc_echo", "--port", str(port),
-            "--mode", mode]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.baselines.grpc_echo",
+        "--port",
+        str(port),
+        "--mode",
+        mode,
+    ]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
@@ -60,8 +67,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grpc_frontends", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.grpc_frontends",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=6.0)
     return p.parse_args(argv)
@@ -77,8 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = models.build("mlp", workdir, workdir / "store")
         bodies = write_bodies(model, workdir)
         with contextlib.ExitStack() as stack:
-            served = stack.enter_context(ab.server("scriptserve", sys.executable,
-                                                   workdir / "store", {}))  # fmt: skip
+            served = stack.enter_context(
+                ab.server("scriptserve", sys.executable, workdir / "store", {})
+            )
             grpc_address = served.argv[served.argv.index("--grpc-inference-address") + 1]
             aio = stack.enter_context(echo_server("aio"))
             sync = stack.enter_context(echo_server("sync"))
@@ -86,8 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             def h2(address: str) -> Callable[[float], LoadResult]:
                 url = f"http://{address}/{SERVICE.strip('/')}/ModelInfer"
-                return lambda s: run_h2load(url, 32, 1, bodies.grpc_infer, GRPC_HEADERS,
-                                            threads=2, seconds=s)  # fmt: skip
+                return lambda s: run_h2load(
+                    url, 32, 1, bodies.grpc_infer, GRPC_HEADERS, threads=2, seconds=s
+                )
 
             json_post = {"Content-Type": "application/json"}
 
@@ -112,8 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     runs.setdefault(label, []).append(result)
                     cpu_us.setdefault(label, []).append(used / max(result.requests, 1) * 1e6)
     rest = runs["scriptserve REST JSON /predictions"]
-    lines = [f"{'load (32 connections, 1 in flight each)':<40}{'req/s':>9}{'p99 ms':>9}"
-             f"{'server CPU/req':>16}{'/ REST JSON':>13}"]  # fmt: skip
+    lines = [
+        f"{'load (32 connections, 1 in flight each)':<40}{'req/s':>9}{'p99 ms':>9}"
+        f"{'server CPU/req':>16}{'/ REST JSON':>13}"
+    ]
     for label, results in runs.items():
         ratios = [r.rps / b.rps for r, b in zip(results, rest, strict=True)]
         lines.append(
@@ -121,17 +135,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{median([r.p99_ms for r in results]):>9.2f}{median(cpu_us[label]):>13.0f} us"
             f"{median(ratios):>12.2f}x"
         )
-    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    host = {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
     lines.append(report.host_line(host))
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"grpc_frontends-{dt.datetime.now():%Y-%m-%dT%H%M%S}.json"
-    out.write_text(report.compact_json({
-        "host": host, "rounds": opts.rounds, "seconds": opts.seconds,
-        "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
-        "server_cpu_us_per_request": cpu_us, "summary": lines,
-    }))  # fmt: skip
+    out.write_text(
+        report.compact_json(
+            {
+                "host": host,
+                "rounds": opts.rounds,
+                "seconds": opts.seconds,
+                "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
+                "server_cpu_us_per_request": cpu_us,
+                "summary": lines,
+            }
+        )
+    )
     print(f"wrote {out}")
     return 0
 

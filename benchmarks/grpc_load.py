@@ -109,11 +109,20 @@ def write_bodies(model: BenchModel, workdir: Path) -> Bodies:
     infer = oip.ModelInferRequest(model_name=model.name)
     infer.inputs.add(name="x", datatype="FP32", shape=list(row.shape))
     infer.raw_input_contents.append(raw)
-    header = json.dumps({
-        "inputs": [{"name": "x", "shape": list(row.shape), "datatype": "FP32",
-                    "parameters": {"binary_data_size": len(raw)}}],
-        "parameters": {"binary_data_output": True},
-    }, separators=(",", ":")).encode()  # fmt: skip
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": list(row.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        },
+        separators=(",", ":"),
+    ).encode()
     names = ("oip", "infer", "live", "message")
     paths = {name: workdir / f"{model.name}-{name}.bin" for name in names}
     paths["oip"].write_bytes(header + raw)
@@ -126,9 +135,14 @@ def write_bodies(model: BenchModel, workdir: Path) -> Bodies:
     with torch.inference_mode():
         expected = module(torch.from_numpy(row)).numpy()
     return Bodies(
-        model.body, paths["oip"], len(header), paths["infer"], paths["live"], expected,
+        model.body,
+        paths["oip"],
+        len(header),
+        paths["infer"],
+        paths["live"],
+        expected,
         paths["message"],
-    )  # fmt: skip
+    )
 
 
 # -- checks before loading ---------------------------------------------------------------------
@@ -206,23 +220,35 @@ def verify(server: ServerProcess, bodies: Bodies, opts: Options) -> dict[str, An
     )
     if not live.live:
         raise SystemExit("gRPC ServerLive answered live=false")
-    body, _ = _post(f"{server.url}/predictions/{MODEL}", bodies.json.read_bytes(),
-                    {"Content-Type": "application/json"})  # fmt: skip
+    body, _ = _post(
+        f"{server.url}/predictions/{MODEL}",
+        bodies.json.read_bytes(),
+        {"Content-Type": "application/json"},
+    )
     got = np.asarray(json.loads(body), np.float32)
     found["rest_json_max_abs_diff"] = _close("REST /predictions", got, bodies.expected)
-    body, headers = _post(f"{server.url}/v2/models/{MODEL}/infer", bodies.oip.read_bytes(), {
-        "Content-Type": "application/octet-stream",
-        HEADER_LENGTH: str(bodies.oip_header_length),
-    })  # fmt: skip
+    body, headers = _post(
+        f"{server.url}/v2/models/{MODEL}/infer",
+        bodies.oip.read_bytes(),
+        {
+            "Content-Type": "application/octet-stream",
+            HEADER_LENGTH: str(bodies.oip_header_length),
+        },
+    )
     split = int(headers[HEADER_LENGTH])
     got = np.frombuffer(body[split:], "<f4")
     found["rest_oip_max_abs_diff"] = _close("REST OIP binary", got, bodies.expected)
 
     before = settled_counts(server)
     load = run_h2load(
-        f"http://{server.grpc_address}{SERVICE}/ModelInfer", 32, 1, bodies.grpc_infer,
-        GRPC_HEADERS, threads=opts.h2load_threads, requests=CHECK_REQUESTS,
-    )  # fmt: skip
+        f"http://{server.grpc_address}{SERVICE}/ModelInfer",
+        32,
+        1,
+        bodies.grpc_infer,
+        GRPC_HEADERS,
+        threads=opts.h2load_threads,
+        requests=CHECK_REQUESTS,
+    )
     counted = _delta(settled_counts(server), before)
     found["h2load_count_run"] = {
         "requests": CHECK_REQUESTS,
@@ -236,9 +262,13 @@ def verify(server: ServerProcess, bodies: Bodies, opts: Options) -> dict[str, An
     for mode in CPP_MODES:
         before = settled_counts(server)
         cpp = run_grpc_loadgen(
-            server.grpc_address, mode, 32, bodies.grpc_message, requests=CHECK_REQUESTS,
+            server.grpc_address,
+            mode,
+            32,
+            bodies.grpc_message,
+            requests=CHECK_REQUESTS,
             threads=opts.cpp_threads,
-        )  # fmt: skip
+        )
         counted = _delta(settled_counts(server), before)
         found[f"grpc_loadgen_{mode}_count_run"] = {
             "requests": CHECK_REQUESTS,
@@ -282,17 +312,27 @@ def loads(server: ServerProcess, bodies: Bodies, opts: Options) -> tuple[list[Lo
 
     def h2load(method: str, clients: int, streams: int, body: Path) -> LoadFn:
         return lambda s: run_h2load(
-            f"{grpc_url}/{method}", clients, streams, body, GRPC_HEADERS,
-            threads=opts.h2load_threads, seconds=s,
-        )  # fmt: skip
+            f"{grpc_url}/{method}",
+            clients,
+            streams,
+            body,
+            GRPC_HEADERS,
+            threads=opts.h2load_threads,
+            seconds=s,
+        )
 
     def cpp(mode: str, channels: int = 32) -> LoadFn:
         assert server.grpc_address is not None
         address = server.grpc_address
         return lambda s: run_grpc_loadgen(
-            address, mode, 32, bodies.grpc_message, seconds=s, threads=opts.cpp_threads,
+            address,
+            mode,
+            32,
+            bodies.grpc_message,
+            seconds=s,
+            threads=opts.cpp_threads,
             channels=channels,
-        )  # fmt: skip
+        )
 
     infer = "gRPC ModelInfer, raw_input_contents"
     measured = [
@@ -379,8 +419,10 @@ def run_rounds(
     results = Results()
     for round_ in range(opts.repeats):
         results.load_average.append(os.getloadavg()[0])
-        print(f"  round {round_ + 1}/{opts.repeats} "
-              f"(load average {results.load_average[-1]:.1f})", flush=True)  # fmt: skip
+        print(
+            f"  round {round_ + 1}/{opts.repeats} (load average {results.load_average[-1]:.1f})",
+            flush=True,
+        )
         # The measured loads' order turns each round, so no protocol always runs first.
         turn = round_ % len(measured)
         for load in headroom + measured[turn:] + measured[:turn]:
@@ -439,8 +481,10 @@ def table(measured: list[Load], headroom: list[Load], opts: Options, results: Re
     trivial = []
     for load in headroom:
         runs = [m.run.load for m in results.runs[load.key]]
-        trivial.append(f"{load.label} ({load.client}) {median([r.rps for r in runs]):.0f} req/s "
-                       f"(cli CPU {median([r.client_cpu for r in runs]):.2f})")  # fmt: skip
+        trivial.append(
+            f"{load.label} ({load.client}) {median([r.rps for r in runs]):.0f} req/s "
+            f"(cli CPU {median([r.client_cpu for r in runs]):.2f})"
+        )
     lines.append("headroom, trivial requests at 32 connections: " + ", ".join(trivial))
     names = {"rest_json": "REST JSON", "rest_oip": "REST OIP binary"}
     for g, label in GRPC_RATIOS.items():
@@ -450,8 +494,10 @@ def table(measured: list[Load], headroom: list[Load], opts: Options, results: Re
             for r in names
         ]
         met = all(median(results.ratios[f"{g} / {r}"]) >= 1.0 for r in names)
-        lines.append(f"req/s gRPC {label} {', '.join(parts)}  "
-                     f"[target gRPC >= REST: {'met' if met else 'missed'}]")  # fmt: skip
+        lines.append(
+            f"req/s gRPC {label} {', '.join(parts)}  "
+            f"[target gRPC >= REST: {'met' if met else 'missed'}]"
+        )
     lines.append(_checks(measured, results))
     return "\n".join(lines) + "\n"
 
@@ -501,21 +547,33 @@ def verification_line(found: Mapping[str, Any]) -> str:
 
 # -- command -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grpc_load", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.grpc_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="3 s runs, 1 s warm-up, 1 round")
     p.add_argument("--seconds", type=float, help="length of each measured run (default 10)")
     p.add_argument("--warmup", type=float, help="warm-up before each run (default 2)")
     p.add_argument("--repeats", type=int, help="rounds (default 3)")
     p.add_argument("--wrk-threads", type=int, default=2, help="wrk threads (default 2)")
     p.add_argument("--h2load-threads", type=int, default=1, help="h2load threads (default 1)")
-    p.add_argument("--cpp-threads", type=int, default=1,
-                   help="grpc_loadgen (C++ client) threads (default 1)")  # fmt: skip
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="scriptserve workers (default: the CPU count)")  # fmt: skip
+    p.add_argument(
+        "--cpp-threads", type=int, default=1, help="grpc_loadgen (C++ client) threads (default 1)"
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="scriptserve workers (default: the CPU count)",
+    )
     p.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per model call")
-    p.add_argument("--max-batch-size", type=int, default=32,
-                   help="scriptserve's batch limit (default 32; 1 = batching off)")  # fmt: skip
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=32,
+        help="scriptserve's batch limit (default 32; 1 = batching off)",
+    )
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
     return p.parse_args(argv)
 
@@ -543,9 +601,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = build(MODEL, Path(tmp), Path(tmp) / "store")
         bodies = write_bodies(model, Path(tmp))
         with scriptserve(
-            "scriptserve", model.archive.parent, MODEL, opts.workers, opts.intra_op_threads,
+            "scriptserve",
+            model.archive.parent,
+            MODEL,
+            opts.workers,
+            opts.intra_op_threads,
             opts.max_batch_size,
-        ) as server:  # fmt: skip
+        ) as server:
             found = verify(server, bodies, opts)
             print("  " + verification_line(found), flush=True)
             measured, headroom = loads(server, bodies, opts)

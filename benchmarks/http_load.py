@@ -65,8 +65,11 @@ def run_scenario(scenario: Scenario, opts: Options) -> None:
         path = f"/predictions/{scenario.model.name}"
         for round_ in range(opts.repeats):
             scenario.load_average.append(os.getloadavg()[0])
-            print(f"  scenario {scenario.key}, round {round_ + 1}/{opts.repeats} "
-                  f"(load average {scenario.load_average[-1]:.1f})", flush=True)  # fmt: skip
+            print(
+                f"  scenario {scenario.key}, round {round_ + 1}/{opts.repeats} "
+                f"(load average {scenario.load_average[-1]:.1f})",
+                flush=True,
+            )
             for c in scenario.contenders:
                 if c.key == "batching_on" or c is scenario.contenders[0]:
                     run = measure(servers[c.key], c.trivial_path, 32, opts, None)
@@ -96,19 +99,34 @@ def to_json(scenario: Scenario, summary: Summary) -> dict[str, object]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.http_load", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.http_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="3 s runs, 1 s warm-up, 1 round")
     p.add_argument("--seconds", type=float, help="length of each measured run (default 10)")
     p.add_argument("--warmup", type=float, help="warm-up before each run (default 2)")
     p.add_argument("--repeats", type=int, help="rounds (default 3)")
     p.add_argument("--scenarios", default="AB", help="which scenarios to run: A, B or AB")
-    p.add_argument("--wrk-threads", type=int, default=2,
-                   help="wrk threads (default 2; see benchmarks/README.md)")  # fmt: skip
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="scriptserve workers per model (default: the CPU count)")  # fmt: skip
-    p.add_argument("--intra-op-threads", type=int, default=1,
-                   help="torch threads per model call, servers and baselines alike")  # fmt: skip
+    p.add_argument(
+        "--wrk-threads",
+        type=int,
+        default=2,
+        help="wrk threads (default 2; see benchmarks/README.md)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="scriptserve workers per model (default: the CPU count)",
+    )
+    p.add_argument(
+        "--intra-op-threads",
+        type=int,
+        default=1,
+        help="torch threads per model call, servers and baselines alike",
+    )
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
     return p.parse_args(argv)
 

@@ -144,8 +144,11 @@ def summarise(runs: dict[str, list[Load]], forward: dict[str, float]) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.model_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.model_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--warmup", type=float, default=2.0)
@@ -170,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                 for key, server in servers.items():
                     load = measure(server, paths[key], body, opts.seconds)
                     runs[key].append(load)
-                    print(f"round {round_}/{opts.rounds} {key:<8} {load.rps:8.0f} req/s  "
-                          f"loop {load.loop_us:5.1f} us  workers {load.other_us:5.1f} us "
-                          "per request", flush=True)  # fmt: skip
+                    print(
+                        f"round {round_}/{opts.rounds} {key:<8} {load.rps:8.0f} req/s  "
+                        f"loop {load.loop_us:5.1f} us  workers {load.other_us:5.1f} us "
+                        "per request",
+                        flush=True,
+                    )
         forward = {name: forward_us_per_row(model) for name, model in built.items()}
     lines = summarise(runs, forward)
     host = report.host(load_before)

@@ -59,10 +59,16 @@ class SmallCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            *_conv(3, 32), *_conv(32, 32), nn.MaxPool2d(2),
-            *_conv(32, 64), *_conv(64, 64), nn.MaxPool2d(2),
-            *_conv(64, 128), *_conv(128, 128), nn.MaxPool2d(2),
-        )  # fmt: skip
+            *_conv(3, 32),
+            *_conv(32, 32),
+            nn.MaxPool2d(2),
+            *_conv(32, 64),
+            *_conv(64, 64),
+            nn.MaxPool2d(2),
+            *_conv(64, 128),
+            *_conv(128, 128),
+            nn.MaxPool2d(2),
+        )
         self.head = nn.Linear(128 * 4 * 4, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,10 +109,23 @@ def build(name: str, workdir: Path, store: Path, version: str = "1.0") -> BenchM
     body = workdir / f"{name}.json"
     body.write_text(json.dumps(np.round(row, 4).tolist()))
     with contextlib.redirect_stdout(io.StringIO()):  # it prints the archive's path
-        model_archiver_main([
-            "--model-name", name, "--version", version, "--serialized-file", str(scripted),
-            "--handler", "tensor", "--sample-input", str(body), "--export-path", str(store), "-f",
-        ])  # fmt: skip
+        model_archiver_main(
+            [
+                "--model-name",
+                name,
+                "--version",
+                version,
+                "--serialized-file",
+                str(scripted),
+                "--handler",
+                "tensor",
+                "--sample-input",
+                str(body),
+                "--export-path",
+                str(store),
+                "-f",
+            ]
+        )
     return BenchModel(name, scripted, store / f"{name}.mar", body, row_shape)
 
 

@@ -45,9 +45,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = build("mlp", Path(tmp) / "work", Path(tmp) / "store", version="1")
         server = scriptserve(
-            "scriptserve", Path(tmp) / "store", "mlp", workers=2, intra_op_threads=1,
+            "scriptserve",
+            Path(tmp) / "store",
+            "mlp",
+            workers=2,
+            intra_op_threads=1,
             max_batch_size=32,
-        )  # fmt: skip
+        )
         with server:
             assert server.grpc_address is not None
             for protocol, url in (

@@ -132,16 +132,35 @@ def build() -> Path:
     (src / "bench.yaml").write_text(SPEC)
     for name in ("cnn", "head"):
         _run(
-            ["torch-model-archiver", "--model-name", name, "--version", "1.0",
-             "--serialized-file", f"{name}.pt", "--handler", f"{name}_handler.py",
-             "--export-path", str(store)],
+            [
+                "torch-model-archiver",
+                "--model-name",
+                name,
+                "--version",
+                "1.0",
+                "--serialized-file",
+                f"{name}.pt",
+                "--handler",
+                f"{name}_handler.py",
+                "--export-path",
+                str(store),
+            ],
             src,
-        )  # fmt: skip
+        )
     _run(
-        ["torch-workflow-archiver", "--workflow-name", "bench", "--spec-file", "bench.yaml",
-         "--handler", "workflow_handler.py", "--export-path", str(store)],
+        [
+            "torch-workflow-archiver",
+            "--workflow-name",
+            "bench",
+            "--spec-file",
+            "bench.yaml",
+            "--handler",
+            "workflow_handler.py",
+            "--export-path",
+            str(store),
+        ],
         src,
-    )  # fmt: skip
+    )
     return store
 
 

@@ -205,16 +205,33 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(1)
         np.savez(validation, x=rng.standard_normal((512, 512)).astype(np.float32))
         int8_mlp = pt2_archive(
-            "mlp", stores["int8_a"], work, "--quantize", "dynamic-int8",
-            "--validation-file", str(validation),
-        )  # fmt: skip
+            "mlp",
+            stores["int8_a"],
+            work,
+            "--quantize",
+            "dynamic-int8",
+            "--validation-file",
+            str(validation),
+        )
         static_mlp = pt2_archive(
-            "mlp", work / "static_a", work, "--quantize", "static-int8",
-            "--validation-file", str(validation),
-        )  # fmt: skip
-        sizes = {k: v.stat().st_size for k, v in
-                 {"torchscript_mlp": mlp.archive, "pt2_mlp": pt2_mlp, "int8_pt2_mlp": int8_mlp,
-                  "torchscript_cnn": cnn.archive, "pt2_cnn": pt2_cnn}.items()}  # fmt: skip
+            "mlp",
+            work / "static_a",
+            work,
+            "--quantize",
+            "static-int8",
+            "--validation-file",
+            str(validation),
+        )
+        sizes = {
+            k: v.stat().st_size
+            for k, v in {
+                "torchscript_mlp": mlp.archive,
+                "pt2_mlp": pt2_mlp,
+                "int8_pt2_mlp": int8_mlp,
+                "torchscript_cnn": cnn.archive,
+                "pt2_cnn": pt2_cnn,
+            }.items()
+        }
         result["archive_bytes"] = sizes
 
         for key, model, ts, pt in (("A", mlp, "ts_a", "pt2_a"), ("B", cnn, "ts_b", "pt2_b")):
@@ -222,12 +239,14 @@ def main(argv: list[str] | None = None) -> int:
             result[f"served_{key}"] = alternate(
                 {
                     "torchscript": lambda m=model, s=ts: served(  # type: ignore[misc]
-                        stores[s], m.name, m.body, seconds, warmup),
+                        stores[s], m.name, m.body, seconds, warmup
+                    ),
                     "pt2": lambda m=model, s=pt: served(  # type: ignore[misc]
-                        stores[s], m.name, m.body, seconds, warmup),
+                        stores[s], m.name, m.body, seconds, warmup
+                    ),
                 },
                 rounds,
-            )  # fmt: skip
+            )
 
         print("int8 .pt2 vs fp32 .pt2", flush=True)
         int8 = int8_in_process(pt2_mlp, int8_mlp, work, 300 if args.quick else 2000)
@@ -265,10 +284,12 @@ def show(r: dict[str, Any]) -> None:
     for key in ("A", "B"):
         s = r[f"served_{key}"]
         rps, p99 = s["median_rps"], s["median_p99_ms"]
-        print(f"scenario {key}: TorchScript {rps['torchscript']:7.0f} r/s p99 "
-              f"{p99['torchscript']:6.2f} ms | .pt2 {rps['pt2']:7.0f} r/s p99 {p99['pt2']:6.2f} ms"
-              f" | .pt2/TorchScript {s['ratio']:.2f}x (per round "
-              f"{', '.join(f'{x:.2f}' for x in s['ratio_per_round'])})")  # fmt: skip
+        print(
+            f"scenario {key}: TorchScript {rps['torchscript']:7.0f} r/s p99 "
+            f"{p99['torchscript']:6.2f} ms | .pt2 {rps['pt2']:7.0f} r/s p99 {p99['pt2']:6.2f} ms"
+            f" | .pt2/TorchScript {s['ratio']:.2f}x (per round "
+            f"{', '.join(f'{x:.2f}' for x in s['ratio_per_round'])})"
+        )
     i = r["int8"]
     for scheme, found in (("dynamic", i), ("static", r["int8_static"])):
         for batch in BATCHES:
@@ -278,15 +299,21 @@ def show(r: dict[str, Any]) -> None:
                 f"{lat['int8']:.3f} ms, {lat['ratio']:.2f}x faster (medians, 1 thread)"
             )
     static = r["int8_static"]
-    print(f"static int8: archive {static['size_ratio']:.2f}x smaller; top-1 agreement "
-          f"{static['top1_agreement']:.3f} (not served: scenario A's path bounds it)")  # fmt: skip
+    print(
+        f"static int8: archive {static['size_ratio']:.2f}x smaller; top-1 agreement "
+        f"{static['top1_agreement']:.3f} (not served: scenario A's path bounds it)"
+    )
     s = i["served"]
-    print(f"int8 served: fp32 {s['median_rps']['fp32']:.0f} r/s, int8 "
-          f"{s['median_rps']['int8']:.0f} r/s, {s['ratio']:.2f}x; archive "
-          f"{i['size_ratio']:.2f}x smaller; top-1 agreement {i['top1_agreement']:.3f}")  # fmt: skip
+    print(
+        f"int8 served: fp32 {s['median_rps']['fp32']:.0f} r/s, int8 "
+        f"{s['median_rps']['int8']:.0f} r/s, {s['ratio']:.2f}x; archive "
+        f"{i['size_ratio']:.2f}x smaller; top-1 agreement {i['top1_agreement']:.3f}"
+    )
     c = r["cold_start_s"]["median"]
-    print(f"cold start (spawn to first 200): .pt2 {c['pt2']:.2f} s, TorchScript "
-          f"{c['torchscript']:.2f} s")  # fmt: skip
+    print(
+        f"cold start (spawn to first 200): .pt2 {c['pt2']:.2f} s, TorchScript "
+        f"{c['torchscript']:.2f} s"
+    )
 
 
 if __name__ == "__main__":

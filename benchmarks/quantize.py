@@ -55,9 +55,14 @@ def int8_archive(fp32: Path, store: Path) -> Path:
         dst = Path(tmp) / f"{src.stem}.int8{src.suffix}"
         # Measure, never refuse: the benchmark reports accuracy itself.
         report = quantize_model_file(
-            src, dst, manifest.model_format, sample, QuantizeOptions(), validation,
+            src,
+            dst,
+            manifest.model_format,
+            sample,
+            QuantizeOptions(),
+            validation,
             Tolerance(min_top1_agreement=0.0, max_accuracy_drop=1.0),
-        )  # fmt: skip
+        )
         files = {n: p for n, p in list_files(root).items() if n not in (MANIFEST_PATH, src.name)}
         files[dst.name] = dst
         manifest = replace(manifest, model=replace(manifest.model, serialized_file=dst.name))
@@ -153,8 +158,10 @@ def top1(
         x = next(iter(validation.inputs.values())).astype(np.float32)
     else:
         x = np.random.default_rng(1).standard_normal((1000, *row_shape)).astype(np.float32)
-    out = {k: np.concatenate([r(x[i : i + 256]) for i in range(0, len(x), 256)]).argmax(1)
-           for k, r in runners.items()}  # fmt: skip
+    out = {
+        k: np.concatenate([r(x[i : i + 256]) for i in range(0, len(x), 256)]).argmax(1)
+        for k, r in runners.items()
+    }
     found: dict[str, Any] = {
         "samples": len(x),
         "agreement": float(np.mean(out["fp32"] == out["int8"])),
@@ -169,14 +176,20 @@ def top1(
 def show(result: dict[str, Any]) -> None:
     b, r = result["archive_bytes"], result["served_rps"]
     print(f"== {result['model']}")
-    print(f"archive   fp32 {b['fp32'] / 1e6:8.2f} MB  int8 {b['int8'] / 1e6:8.2f} MB  "
-          f"{result['size_ratio']:.2f}x smaller")  # fmt: skip
+    print(
+        f"archive   fp32 {b['fp32'] / 1e6:8.2f} MB  int8 {b['int8'] / 1e6:8.2f} MB  "
+        f"{result['size_ratio']:.2f}x smaller"
+    )
     for batch in (1, 32):
         lat = result[f"latency_ms_batch{batch}"]
-        print(f"batch {batch:<3} fp32 {lat['fp32']:8.3f} ms  int8 {lat['int8']:8.3f} ms  "
-              f"{lat['ratio']:.2f}x faster (medians, 1 thread)")  # fmt: skip
-    print(f"served    fp32 {r['fp32']:8.0f} r/s  int8 {r['int8']:8.0f} r/s  "
-          f"int8/fp32 {r['ratio']:.2f} (medians of {len(r['runs']['fp32'])})")  # fmt: skip
+        print(
+            f"batch {batch:<3} fp32 {lat['fp32']:8.3f} ms  int8 {lat['int8']:8.3f} ms  "
+            f"{lat['ratio']:.2f}x faster (medians, 1 thread)"
+        )
+    print(
+        f"served    fp32 {r['fp32']:8.0f} r/s  int8 {r['int8']:8.0f} r/s  "
+        f"int8/fp32 {r['ratio']:.2f} (medians of {len(r['runs']['fp32'])})"
+    )
     print(f"top-1     {json.dumps(result['top1'])}")
 
 

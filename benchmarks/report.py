@@ -61,8 +61,10 @@ def table(scenario: Scenario, summary: Summary) -> str:
     )
     lines.append(f"trivial GET, 32 connections (wrk headroom): {headroom}")
     if sum(c.is_baseline for c in scenario.contenders) > 1:
-        lines.append(f"baseline, the faster at 32 connections, per round: "
-                     f"{', '.join(labels[k] for k in summary.baseline)}")  # fmt: skip
+        lines.append(
+            f"baseline, the faster at 32 connections, per round: "
+            f"{', '.join(labels[k] for k in summary.baseline)}"
+        )
     on = median(summary.rps_ratio["batching_on"])
     ratios = ", ".join(
         f"{_VARIANT[k]} {median(summary.rps_ratio[k]):.2f}{_rounds(summary.rps_ratio[k], '.2f')}"
@@ -101,8 +103,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def host(load_before: tuple[float, float, float]) -> dict[str, Any]:
     """The machine around a run: its CPUs, and the load average before and now."""
-    return {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
 
 
 def write_results(kind: str, document: Mapping[str, Any]) -> Path:

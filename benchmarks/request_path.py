@@ -57,20 +57,29 @@ def routes(model: models.BenchModel, workdir: Path) -> list[Route]:
     envelope = json.dumps({"inputs": [{**tensor, "data": None}]}).encode()
     oip_json.write_bytes(envelope.replace(b"null", model.body.read_bytes().strip()))
     raw = row.tobytes()
-    head = json.dumps({
-        "inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
-        "parameters": {"binary_data_output": True},
-    }, separators=(",", ":")).encode()  # fmt: skip
+    head = json.dumps(
+        {
+            "inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
+            "parameters": {"binary_data_output": True},
+        },
+        separators=(",", ":"),
+    ).encode()
     oip_binary = workdir / "oip.bin"
     oip_binary.write_bytes(head + raw)
     json_post = {"Content-Type": "application/json"}
     return [
         Route("torchserve", f"/predictions/{model.name}", model.body, json_post),
         Route("oip_json", f"/v2/models/{model.name}/infer", oip_json, json_post),
-        Route("oip_binary", f"/v2/models/{model.name}/infer", oip_binary, {
-            "Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head)),
-        }),
-    ]  # fmt: skip
+        Route(
+            "oip_binary",
+            f"/v2/models/{model.name}/infer",
+            oip_binary,
+            {
+                "Content-Type": "application/octet-stream",
+                HEADER_LENGTH: str(len(head)),
+            },
+        ),
+    ]
 
 
 def _ratios(a: list[LoadResult], b: list[LoadResult]) -> list[float]:
@@ -118,8 +127,11 @@ def summarise(runs: dict[str, list[LoadResult]], before: bool) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.request_path", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.request_path",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--before", help="another tree's python, served beside this one")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=8.0)
@@ -156,8 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _, s, r in plan:
                 run_wrk(s.url + r.path, 32, opts.warmup, 2, r.body, r.headers)
             for round_ in range(opts.rounds):
-                print(f"round {round_ + 1}/{opts.rounds} (load average "
-                      f"{os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                print(
+                    f"round {round_ + 1}/{opts.rounds} (load average {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
                 for key, s, r in plan:
                     result = run_wrk(s.url + r.path, 32, opts.seconds, 2, r.body, r.headers)
                     if result.errors:

@@ -106,8 +106,11 @@ def build_scenarios(workdir: Path, workers: int, intra_op_threads: int) -> list[
         )
 
     def per_request(mode: str) -> Callable[[], ServerProcess]:
-        env = {"BASELINE_MODEL": str(cnn.scripted), "BASELINE_MODE": mode,
-               "BASELINE_THREADS": str(intra_op_threads)}  # fmt: skip
+        env = {
+            "BASELINE_MODEL": str(cnn.scripted),
+            "BASELINE_MODE": mode,
+            "BASELINE_THREADS": str(intra_op_threads),
+        }
         app = "benchmarks.baselines.per_request_fastapi:create_app"
         return lambda: uvicorn_app(f"per-request {mode}", app, env, factory=True)
 
@@ -119,20 +122,40 @@ def build_scenarios(workdir: Path, workers: int, intra_op_threads: int) -> list[
 
     live = "/v2/health/live"
     return [
-        Scenario("A", "overhead-bound: MLP 512-1024-1024-10, one JSON row per request", 0.8,
-                 mlp, [
-            Contender("raw_asgi", "raw ASGI + orjson (ceiling)", raw, "/", is_ceiling=True),
-            Contender("bare_fastapi", "bare FastAPI (baseline)", bare, "/", is_baseline=True),
-            Contender("batching_on", "scriptserve batching on (32)", served(mlp, 32), live),
-            Contender("batching_off", "scriptserve batching off (1)", served(mlp, 1), live),
-        ]),
-        Scenario("B", "compute-bound: small CNN on 3x32x32, one JSON row per request", 2.5,
-                 cnn, [
-            Contender("per_request_async", "per-request FastAPI, async def", per_request("async"),
-                      "/", is_baseline=True),
-            Contender("per_request_threadpool", "per-request FastAPI, def (threadpool)",
-                      per_request("threadpool"), "/", is_baseline=True),
-            Contender("batching_on", "scriptserve batching on (32)", served(cnn, 32), live),
-            Contender("batching_off", "scriptserve batching off (1)", served(cnn, 1), live),
-        ]),
-    ]  # fmt: skip
+        Scenario(
+            "A",
+            "overhead-bound: MLP 512-1024-1024-10, one JSON row per request",
+            0.8,
+            mlp,
+            [
+                Contender("raw_asgi", "raw ASGI + orjson (ceiling)", raw, "/", is_ceiling=True),
+                Contender("bare_fastapi", "bare FastAPI (baseline)", bare, "/", is_baseline=True),
+                Contender("batching_on", "scriptserve batching on (32)", served(mlp, 32), live),
+                Contender("batching_off", "scriptserve batching off (1)", served(mlp, 1), live),
+            ],
+        ),
+        Scenario(
+            "B",
+            "compute-bound: small CNN on 3x32x32, one JSON row per request",
+            2.5,
+            cnn,
+            [
+                Contender(
+                    "per_request_async",
+                    "per-request FastAPI, async def",
+                    per_request("async"),
+                    "/",
+                    is_baseline=True,
+                ),
+                Contender(
+                    "per_request_threadpool",
+                    "per-request FastAPI, def (threadpool)",
+                    per_request("threadpool"),
+                    "/",
+                    is_baseline=True,
+                ),
+                Contender("batching_on", "scriptserve batching on (32)", served(cnn, 32), live),
+                Contender("batching_off", "scriptserve batching off (1)", served(cnn, 1), live),
+            ],
+        ),
+    ]

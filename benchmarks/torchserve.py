@@ -55,11 +55,25 @@ def _archive(
     (work / "inputs.json").write_text(json.dumps(inputs))
     files = [*extra, work / "inputs.json"]
     subprocess.run(
-        ["torch-model-archiver", "--model-name", name, "--version", "1.0",
-         "--serialized-file", str(torchscript), "--handler", str(handler),
-         "--extra-files", ",".join(str(f) for f in files), "--export-path", str(store), "-f"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "torch-model-archiver",
+            "--model-name",
+            name,
+            "--version",
+            "1.0",
+            "--serialized-file",
+            str(torchscript),
+            "--handler",
+            str(handler),
+            "--extra-files",
+            ",".join(str(f) for f in files),
+            "--export-path",
+            str(store),
+            "-f",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return store / f"{name}.mar"
 
 
@@ -90,10 +104,22 @@ def best_rate(
         )
         log = (root / "ts.log").open("wb")
         proc = subprocess.Popen(
-            ["torchserve", "--start", "--foreground", "--ncs", "--model-store", str(store),
-             "--ts-config", str(config), "--disable-token-auth", "--enable-model-api"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=root,
-        )  # fmt: skip
+            [
+                "torchserve",
+                "--start",
+                "--foreground",
+                "--ncs",
+                "--model-store",
+                str(store),
+                "--ts-config",
+                str(config),
+                "--disable-token-auth",
+                "--enable-model-api",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+        )
         inference = f"http://127.0.0.1:{ports[0]}"
         management = f"http://127.0.0.1:{ports[1]}"
         try:
@@ -112,9 +138,16 @@ def best_rate(
                     raise RuntimeError(f"TorchServe did not register {name}")
                 predict = f"{inference}/predictions/{name}"
                 load = steady_load(predict, 8, STEADY_WARMUP_S, seconds, body.read_bytes(), headers)
-                runs.append({"workers": workers, "batch": batch, "items_s": load.rps,
-                             "p50_ms": load.p50_ms, "p99_ms": load.p99_ms,
-                             "errors": load.errors})  # fmt: skip
+                runs.append(
+                    {
+                        "workers": workers,
+                        "batch": batch,
+                        "items_s": load.rps,
+                        "p50_ms": load.p50_ms,
+                        "p99_ms": load.p99_ms,
+                        "errors": load.errors,
+                    }
+                )
                 _call("DELETE", f"{management}/models/{name}/1.0")
         finally:
             # The launcher's JVM outlives it unless TorchServe is told to stop.

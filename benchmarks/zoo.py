@@ -50,13 +50,19 @@ Runner = Callable[[], None]
 
 def cpu_line() -> str:
     model = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")),
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
         "unknown CPU",
-    )  # fmt: skip
+    )
     features = set(cpu_features())
-    isa = [f for f in ("avx2", "avx512_f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
-           if f in features]  # fmt: skip
+    isa = [
+        f
+        for f in ("avx2", "avx512_f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+        if f in features
+    ]
     return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa)} (int8 kernels: {int8_isa()})"
 
 
@@ -175,10 +181,15 @@ def onnx_file(built: Built, inputs: Mapping[str, np.ndarray]) -> Path:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                eager_model(built), (), str(path), kwargs=example, input_names=names,
-                output_names=["output0"], dynamic_axes={**axes, "output0": {0: "batch"}},
+                eager_model(built),
+                (),
+                str(path),
+                kwargs=example,
+                input_names=names,
+                output_names=["output0"],
+                dynamic_axes={**axes, "output0": {0: "batch"}},
                 dynamo=False,
-            )  # fmt: skip
+            )
     return path
 
 
@@ -278,9 +289,15 @@ def torchserve_served(
     with tempfile.TemporaryDirectory() as tmp:
         body, headers = request_body(built, Path(tmp))
         return torchserve.best_rate(
-            built.model.name, torchscript_file(built, inputs), built.model.kind, extra,
-            list(inputs), body, headers, seconds,
-        )  # fmt: skip
+            built.model.name,
+            torchscript_file(built, inputs),
+            built.model.kind,
+            extra,
+            list(inputs),
+            body,
+            headers,
+            seconds,
+        )
 
 
 def measure(
@@ -335,15 +352,19 @@ def report(results: list[dict[str, Any]], peak: dict[str, float]) -> None:
         for label, rate in r["in_process_items_s"].items():
             share = r["fp32_peak_share"][label]
             int8 = r["int8_peak_share"][label]
-            print(f"  in-process {label:<18}{rate:>9.1f} items/s  {share:>6.1%} of fp32 peak, "
-                  f"{int8:>6.1%} of int8 peak")  # fmt: skip
+            print(
+                f"  in-process {label:<18}{rate:>9.1f} items/s  {share:>6.1%} of fp32 peak, "
+                f"{int8:>6.1%} of int8 peak"
+            )
         rows = dict(r["served"])
         if r["torchserve"] is not None:
             ts = r["torchserve"]
             rows[f"TorchServe w{ts['workers']} b{ts['batch']}"] = ts
         for label, s in rows.items():
-            print(f"  served     {label:<18}{s['items_s']:>9.1f} items/s  "
-                  f"p50 {s['p50_ms']:.1f} ms  p99 {s['p99_ms']:.1f} ms")  # fmt: skip
+            print(
+                f"  served     {label:<18}{s['items_s']:>9.1f} items/s  "
+                f"p50 {s['p50_ms']:.1f} ms  p99 {s['p99_ms']:.1f} ms"
+            )
 
 
 def main() -> None:
@@ -367,9 +388,14 @@ def main() -> None:
         report(results[-1:], peak)
     write_results(
         "zoo",
-        {"cpu": cpu_line(), "size": args.size, "peak": peak, "torch": torch.__version__,
-         "results": results},
-    )  # fmt: skip
+        {
+            "cpu": cpu_line(),
+            "size": args.size,
+            "peak": peak,
+            "torch": torch.__version__,
+            "results": results,
+        },
+    )
     print(json.dumps({"cpu": cpu_line()}))
 
 

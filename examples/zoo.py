@@ -391,8 +391,11 @@ def _text_files(
     if name in ("embedder", "gpt2"):
         inputs = inputs[:2]
     encoding = tokenizer.encode(SAMPLE_TEXT)
-    values = {"input_ids": encoding.ids, "attention_mask": encoding.attention_mask,
-              "token_type_ids": encoding.type_ids}  # fmt: skip
+    values = {
+        "input_ids": encoding.ids,
+        "attention_mask": encoding.attention_mask,
+        "token_type_ids": encoding.type_ids,
+    }
     built.sample = dst / "sample.json"
     built.sample.write_text(json.dumps({n: values[n] for n in inputs}))
     pad = END_OF_TEXT if generator else "[PAD]"

@@ -45,11 +45,21 @@ def build_wheel(root: Path) -> Path:
         (sources / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, sources / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(root / "dist"), str(sources)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(root / "dist"),
+            str(sources),
+        ],
         check=True,
         capture_output=True,
-    )  # fmt: skip
+    )
     shutil.rmtree(sources)
     (built,) = (root / "dist").glob("scriptserve-*.whl")
     return built

@@ -15,8 +15,14 @@ LEAK = re.compile(r"/tmp/|/work/|site-packages|Traceback|File \"|\.py\b|shm|psm_
 """What an error body must never carry: paths, stack traces, shared-memory names, source files."""
 
 
-def archive(store: Path, work: Path, name: str, version: str = "1.0", handler: str = "tensor",
-            config: dict[str, object] | None = None) -> Path:  # fmt: skip
+def archive(
+    store: Path,
+    work: Path,
+    name: str,
+    version: str = "1.0",
+    handler: str = "tensor",
+    config: dict[str, object] | None = None,
+) -> Path:
     """Build `<name>.mar` of the TinyMLP into `store`; returns it."""
     work.mkdir(parents=True, exist_ok=True)
     sample = work / "sample.json"

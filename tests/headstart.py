@@ -46,8 +46,9 @@ def start(name: str, job: Callable[[], object]) -> None:
             return
         future: Future[object] = Future()
         _jobs[name] = future
-    threading.Thread(target=_run, args=(name, job, future), name=f"headstart-{name}",
-                     daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=_run, args=(name, job, future), name=f"headstart-{name}", daemon=True
+    ).start()
 
 
 def result(name: str, job: Callable[[], T], timeout_s: float = 1800) -> T:

@@ -134,10 +134,15 @@ def zoo_onnx(built: Built) -> Path:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            zoo_eager(built), (), str(path), kwargs=inputs, input_names=names,
-            output_names=["output0"], dynamic_axes={**axes, "output0": {0: "batch"}},
+            zoo_eager(built),
+            (),
+            str(path),
+            kwargs=inputs,
+            input_names=names,
+            output_names=["output0"],
+            dynamic_axes={**axes, "output0": {0: "batch"}},
             dynamo=False,
-        )  # fmt: skip
+        )
     return path
 
 

@@ -68,31 +68,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="scriptserve-dashboard-") as tmp:
         store = Path(tmp) / "store"
         model = models.build("mlp", Path(tmp) / "work", store)
-        server = scriptserve("scriptserve", store, "mlp", workers=workers, intra_op_threads=1,
-                             max_batch_size=32)  # fmt: skip
+        server = scriptserve(
+            "scriptserve", store, "mlp", workers=workers, intra_op_threads=1, max_batch_size=32
+        )
         with server:
             assert server.metrics_url is not None
             target = urllib.parse.urlsplit(server.metrics_url).netloc
             with Prometheus(binary, Path(tmp) / "prometheus", target) as prom:
-                print(f"server {server.url}, {workers} thread workers; Prometheus {prom.url} "
-                      f"scraping {target} every {SCRAPE_S} s")  # fmt: skip
+                print(
+                    f"server {server.url}, {workers} thread workers; Prometheus {prom.url} "
+                    f"scraping {target} every {SCRAPE_S} s"
+                )
                 runs = drive(server.url, model.body, plan(args.seconds))
                 # A scrape before the load stopped, so that stats and the graphs' last points
                 # show the server under load rather than the instant after.
                 start, end = runs[0].started, runs[-1].ended - SCRAPE_S
                 prom.wait_for_scrape_after(runs[-1].ended)
-                counted = sum(float(r["value"][1]) for r in prom.query(
-                    f'sum(scriptserve_requests_total{{job="{JOB}"}})', time.time()))  # fmt: skip
+                counted = sum(
+                    float(r["value"][1])
+                    for r in prom.query(
+                        f'sum(scriptserve_requests_total{{job="{JOB}"}})', time.time()
+                    )
+                )
                 window = Window(start, end, variables(dashboard, start, end))
                 prom.queries = 0
-                panels = [read_panel(prom, p, window)
-                          for p in dashboard["panels"] if p["type"] != "row"]  # fmt: skip
+                panels = [
+                    read_panel(prom, p, window) for p in dashboard["panels"] if p["type"] != "row"
+                ]
                 queries = prom.queries
     sent = sum((r.load.requests if r.load else 0) + sum(r.bad.values()) for r in runs)
     print(f"requests: wrk and httpx had {sent} answered, the server counted {counted:.0f}")
     draw(dashboard, panels, window, runs, load_summary(runs, workers), args.out)
-    print(f"dashboard {dashboard['title']!r}: {len(panels)} panels, {queries} queries over "
-          f"{end - start:.0f} s; variables {window.variables}")  # fmt: skip
+    print(
+        f"dashboard {dashboard['title']!r}: {len(panels)} panels, {queries} queries over "
+        f"{end - start:.0f} s; variables {window.variables}"
+    )
     for data in panels:
         if data.panel["type"] == "stat" and data.values:
             unit, decimals = data.defaults.get("unit", "short"), data.defaults.get("decimals")

@@ -30,10 +30,27 @@ HEADER_PX, FOOTER_PX = 118, 34
 CANVAS, PANEL, BORDER = "#111217", "#181b1f", "#2c3036"
 TEXT, DIM, GRID = "#ccccdc", "#8e8ea0", "#2a2d33"
 ANNOTATION = "#00d3ff"  # the dashboard's built-in annotation colour
-NAMED = {"green": "#73BF69", "blue": "#5794F2", "orange": "#FF9830", "red": "#F2495C",
-         "yellow": "#FADE2A", "purple": "#B877D9", "text": TEXT}  # fmt: skip
-CLASSIC = ["#7EB26D", "#EAB839", "#6ED0E0", "#EF843C", "#E24D42", "#1F78C1", "#BA43A9",
-           "#705DA0", "#508642", "#CCA300"]  # fmt: skip
+NAMED = {
+    "green": "#73BF69",
+    "blue": "#5794F2",
+    "orange": "#FF9830",
+    "red": "#F2495C",
+    "yellow": "#FADE2A",
+    "purple": "#B877D9",
+    "text": TEXT,
+}
+CLASSIC = [
+    "#7EB26D",
+    "#EAB839",
+    "#6ED0E0",
+    "#EF843C",
+    "#E24D42",
+    "#1F78C1",
+    "#BA43A9",
+    "#705DA0",
+    "#508642",
+    "#CCA300",
+]
 """Grafana's palette-classic, in its order."""
 
 
@@ -107,8 +124,9 @@ def draw_timeseries(
         upper = lower + s.values
         color = CLASSIC[i % len(CLASSIC)]
         lines += ax.plot(when, upper, color=color, linewidth=custom.get("lineWidth", 1) * 1.2)
-        ax.fill_between(when, lower, upper, color=color, linewidth=0,
-                        alpha=custom.get("fillOpacity", 0) / 100)  # fmt: skip
+        ax.fill_between(
+            when, lower, upper, color=color, linewidth=0, alpha=custom.get("fillOpacity", 0) / 100
+        )
         if stacked:
             base = np.where(np.isnan(s.values), base, upper)
     if "min" in defaults:
@@ -125,15 +143,36 @@ def draw_timeseries(
     # The phases, as Grafana draws annotations: a dashed line where each starts.
     for run in runs:
         if run is not runs[0]:
-            ax.axvline(clock(run.started), color=ANNOTATION, alpha=0.45, linewidth=0.8,
-                       linestyle=(0, (4, 3)))  # fmt: skip
-        ax.annotate(run.phase.label, (clock(run.started), 1), xycoords=("data", "axes fraction"),
-                    xytext=(3, -2), textcoords="offset points", va="top", fontsize=7,
-                    color=ANNOTATION, alpha=0.8)  # fmt: skip
-    legend = c.fig.legend(lines, [s.name for s in data.series], loc="lower left",
-                          ncols=columns, frameon=False, fontsize=8,
-                          bbox_to_anchor=c.frac(x + 6, top + h - 2), handlelength=1.2,
-                          columnspacing=1.5, borderaxespad=0)  # fmt: skip
+            ax.axvline(
+                clock(run.started),
+                color=ANNOTATION,
+                alpha=0.45,
+                linewidth=0.8,
+                linestyle=(0, (4, 3)),
+            )
+        ax.annotate(
+            run.phase.label,
+            (clock(run.started), 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -2),
+            textcoords="offset points",
+            va="top",
+            fontsize=7,
+            color=ANNOTATION,
+            alpha=0.8,
+        )
+    legend = c.fig.legend(
+        lines,
+        [s.name for s in data.series],
+        loc="lower left",
+        ncols=columns,
+        frameon=False,
+        fontsize=8,
+        bbox_to_anchor=c.frac(x + 6, top + h - 2),
+        handlelength=1.2,
+        columnspacing=1.5,
+        borderaxespad=0,
+    )
     for text in legend.get_texts():
         text.set_color(TEXT)
 
@@ -153,8 +192,16 @@ def draw_stat(c: Canvas, box: Sequence[float], data: PanelData, window: Window) 
         spark.set_ylim(bottom=0)
     text = format_value(value, defaults.get("unit", "short"), defaults.get("decimals"))
     size_px = min(h * 0.34, (w - 20) / max(1, len(text)) * 1.6)
-    c.text(x + w / 2, top + h * 0.58, text, color=color, fontsize=size_px * 72 / DPI,
-           ha="center", va="center", weight="bold")  # fmt: skip
+    c.text(
+        x + w / 2,
+        top + h * 0.58,
+        text,
+        color=color,
+        fontsize=size_px * 72 / DPI,
+        ha="center",
+        va="center",
+        weight="bold",
+    )
 
 
 def draw_bargauge(c: Canvas, box: Sequence[float], data: PanelData) -> None:
@@ -200,12 +247,21 @@ def draw(
     c = Canvas(max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dashboard["panels"]))
     start, end = (dt.datetime.fromtimestamp(t).astimezone() for t in (window.start, window.end))
     c.text(MARGIN_PX, 14, f"Dashboards / {dashboard['title']}", fontsize=17, weight="bold")
-    c.text(WIDTH_PX - MARGIN_PX, 18, f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} {end:%Z}",
-           fontsize=11, ha="right")  # fmt: skip
-    pickers = [f"{v.get('label', v['name'])}:  {'All' if v.get('includeAll') else JOB}"
-               for v in dashboard["templating"]["list"] if v["type"] == "query"]  # fmt: skip
-    c.text(MARGIN_PX, 46, "      ".join(["Data source:  Prometheus", *pickers]), fontsize=10,
-           color=DIM)  # fmt: skip
+    c.text(
+        WIDTH_PX - MARGIN_PX,
+        18,
+        f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} {end:%Z}",
+        fontsize=11,
+        ha="right",
+    )
+    pickers = [
+        f"{v.get('label', v['name'])}:  {'All' if v.get('includeAll') else JOB}"
+        for v in dashboard["templating"]["list"]
+        if v["type"] == "query"
+    ]
+    c.text(
+        MARGIN_PX, 46, "      ".join(["Data source:  Prometheus", *pickers]), fontsize=10, color=DIM
+    )
     c.text(MARGIN_PX, 70, header, fontsize=9.5, linespacing=1.5)
     data_of = {id(d.panel): d for d in panels}
     for panel in dashboard["panels"]:
@@ -215,25 +271,46 @@ def draw(
             continue
         left, upper = c.frac(x, top)
         # Behind the panel's axes (zorder 0), which are added after it.
-        c.fig.add_artist(Rectangle((left, upper - h / c.height), w / WIDTH_PX, h / c.height,
-                                   transform=c.fig.transFigure, facecolor=PANEL,
-                                   edgecolor=BORDER, linewidth=1, zorder=-1))  # fmt: skip
+        c.fig.add_artist(
+            Rectangle(
+                (left, upper - h / c.height),
+                w / WIDTH_PX,
+                h / c.height,
+                transform=c.fig.transFigure,
+                facecolor=PANEL,
+                edgecolor=BORDER,
+                linewidth=1,
+                zorder=-1,
+            )
+        )
         c.text(x + 9, top + 8, panel["title"], fontsize=10, weight="bold")
         data = data_of[id(panel)]
         if data.empty:
-            c.text(x + w / 2, top + h / 2 + 8, "No data", fontsize=14, color=DIM, ha="center",
-                   va="center")  # fmt: skip
+            c.text(
+                x + w / 2,
+                top + h / 2 + 8,
+                "No data",
+                fontsize=14,
+                color=DIM,
+                ha="center",
+                va="center",
+            )
         elif panel["type"] == "timeseries":
             draw_timeseries(c, box, data, window, runs)
         elif panel["type"] == "stat":
             draw_stat(c, box, data, window)
         elif panel["type"] == "bargauge":
             draw_bargauge(c, box, data)
-    c.text(MARGIN_PX, c.height - FOOTER_PX + 12,
-           "Drawn by benchmarks/dashboard/ from the dashboard's own JSON "
-           "(docker/grafana/dashboards/scriptserve.json) and the answers of a real Prometheus, "
-           "scraping a real scriptserve server every second, to its queries: not a Grafana "
-           "screenshot. Dashed lines mark the load's phases.", fontsize=8.5, color=DIM)  # fmt: skip
+    c.text(
+        MARGIN_PX,
+        c.height - FOOTER_PX + 12,
+        "Drawn by benchmarks/dashboard/ from the dashboard's own JSON "
+        "(docker/grafana/dashboards/scriptserve.json) and the answers of a real Prometheus, "
+        "scraping a real scriptserve server every second, to its queries: not a Grafana "
+        "screenshot. Dashed lines mark the load's phases.",
+        fontsize=8.5,
+        color=DIM,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     c.fig.savefig(out, dpi=DPI, facecolor=CANVAS)
     plt.close(c.fig)

@@ -84,8 +84,9 @@ def drive(base_url: str, body: Path, phases: Sequence[Phase]) -> list[PhaseRun]:
     url = f"{base_url}/predictions/mlp"
     for phase in phases:
         run = PhaseRun(phase, started=time.time())
-        load_phase = partial(run_wrk, url, connections=phase.connections, seconds=phase.seconds,
-                             threads=2, body=body)  # fmt: skip
+        load_phase = partial(
+            run_wrk, url, connections=phase.connections, seconds=phase.seconds, threads=2, body=body
+        )
         if phase.bad:
             with ThreadPoolExecutor(1) as pool:
                 load = pool.submit(load_phase)

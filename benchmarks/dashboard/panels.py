@@ -111,11 +111,14 @@ def read_panel(prom: Prometheus, panel: Mapping[str, Any], window: Window) -> Pa
             if kind in ("timeseries", "stat"):
                 for result in prom.query_range(expr, window.start, window.end):
                     s = on_grid(result["values"], window)
-                    data.series.append(Series(series_name(legend, result["metric"]), s.times,
-                                              s.values))  # fmt: skip
+                    data.series.append(
+                        Series(series_name(legend, result["metric"]), s.times, s.values)
+                    )
             if kind in ("stat", "bargauge"):
-                values = [(series_name(legend, r["metric"]), float(r["value"][1]))
-                          for r in prom.query(expr, window.end)]  # fmt: skip
+                values = [
+                    (series_name(legend, r["metric"]), float(r["value"][1]))
+                    for r in prom.query(expr, window.end)
+                ]
                 if target.get("format") == "heatmap":
                     values = deaccumulate(values)
                 data.values += values

@@ -46,8 +46,11 @@ class Prometheus:
 
     def __enter__(self) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        scrape = {"job_name": JOB, "metrics_path": "/metrics",
-                  "static_configs": [{"targets": [self.target]}]}  # fmt: skip
+        scrape = {
+            "job_name": JOB,
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [self.target]}],
+        }
         config = {"global": {"scrape_interval": f"{SCRAPE_S}s"}, "scrape_configs": [scrape]}
         # JSON is YAML, so no YAML writer is needed.
         (self.workdir / "prometheus.yml").write_text(json.dumps(config, indent=1))
@@ -56,8 +59,9 @@ class Prometheus:
         log = (self.workdir / "prometheus.log").open("wb")
         self.proc = subprocess.Popen(
             [*self.argv, f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         try:
             self._wait(lambda: self._client.get(f"{self.url}/-/ready").status_code == 200, 60)
@@ -89,8 +93,10 @@ class Prometheus:
     def wait_for_scrape_after(self, at: float) -> None:
         """Return once a scrape taken after `at` is stored: queries at `at` then see it all."""
         expr = f'max(timestamp(up{{job="{JOB}"}}))'
-        self._wait(lambda: any(float(r["value"][1]) >= at for r in self.query(expr, time.time())),
-                   10 * SCRAPE_S)  # fmt: skip
+        self._wait(
+            lambda: any(float(r["value"][1]) >= at for r in self.query(expr, time.time())),
+            10 * SCRAPE_S,
+        )
 
     def _api(self, path: str, params: Mapping[str, str | float]) -> Any:
         self.queries += 1
@@ -108,8 +114,7 @@ class Prometheus:
     def query_range(
         self, expr: str, start: float, end: float, step: float = STEP_S
     ) -> list[dict[str, Any]]:
-        data = self._api("query_range", {"query": expr, "start": start, "end": end,
-                                         "step": step})  # fmt: skip
+        data = self._api("query_range", {"query": expr, "start": start, "end": end, "step": step})
         return list(data["result"])
 
     def log(self) -> str:

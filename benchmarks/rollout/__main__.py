@@ -36,15 +36,25 @@ def document(result: Rollout, args: argparse.Namespace, started: dt.datetime) ->
                 entry[key] = _finite(value)
     problems = [vars(o) for o in result.outcomes if o.kind != "succeeded"]
     return {
-        "benchmark": "rollout", "started": started.isoformat(timespec="seconds"),
-        "replicas": args.replicas, "connections": args.connections,
-        "warm_seconds": args.warm_seconds, "seconds_per_phase": args.seconds_per_phase,
-        "haproxy": {"balance": args.balance, "retry_on": args.retry_on,
-                    "check_interval_ms": CHECK_INTERVAL_MS, "counters": result.haproxy},
-        "counts": result.counts, "steady_rps": _finite(result.steady_before()),
-        "restarts": restarts, "per_second": result.series, "not_succeeded": problems[:100],
+        "benchmark": "rollout",
+        "started": started.isoformat(timespec="seconds"),
+        "replicas": args.replicas,
+        "connections": args.connections,
+        "warm_seconds": args.warm_seconds,
+        "seconds_per_phase": args.seconds_per_phase,
+        "haproxy": {
+            "balance": args.balance,
+            "retry_on": args.retry_on,
+            "check_interval_ms": CHECK_INTERVAL_MS,
+            "counters": result.haproxy,
+        },
+        "counts": result.counts,
+        "steady_rps": _finite(result.steady_before()),
+        "restarts": restarts,
+        "per_second": result.series,
+        "not_succeeded": problems[:100],
         "client_cpu": result.client_cpu,
-    }  # fmt: skip
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,8 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--seconds-per-phase", type=float, default=6.0,
-                   help="steady load before the first restart and after each one")  # fmt: skip
+    p.add_argument(
+        "--seconds-per-phase",
+        type=float,
+        default=6.0,
+        help="steady load before the first restart and after each one",
+    )
     p.add_argument("--warm-seconds", type=float, default=3.0)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--balance", choices=("roundrobin", "leastconn"), default="leastconn")
@@ -79,15 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         store = Path(tmp) / "store"
         model = models.build("mlp", Path(tmp) / "work", store)
         result = rollout(
-            store, model.name, model.body.read_bytes(), replicas=args.replicas,
-            warm_s=args.warm_seconds, phase_s=args.seconds_per_phase,
-            connections=args.connections, balance=args.balance, retry_on=args.retry_on,
-        )  # fmt: skip
+            store,
+            model.name,
+            model.body.read_bytes(),
+            replicas=args.replicas,
+            warm_s=args.warm_seconds,
+            phase_s=args.seconds_per_phase,
+            connections=args.connections,
+            balance=args.balance,
+            retry_on=args.retry_on,
+        )
     print("requests answered 200 per second:")
     print("\n".join(timeline(result)))
     print("\n".join(summary(result)))
-    host = {"cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}  # fmt: skip
+    host = {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
     print(report.host_line(host))
     out = args.output or RESULTS / f"rollout-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

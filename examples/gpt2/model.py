@@ -20,7 +20,9 @@ class GPT2NextToken(GPT2LMHeadModel):
     ) -> torch.Tensor:
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         out = super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
             use_cache=False,
-        )  # fmt: skip
+        )
         return out.logits[:, -1, :]

@@ -51,9 +51,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def args(models: Path, store: Path, model: str = "tiny.pt", *extra: str) -> list[str]:
     return [
-        "--model-name", "tiny", "--version", "1.0", "--serialized-file", str(models / model),
-        "--export-path", str(store), *extra,
-    ]  # fmt: skip
+        "--model-name",
+        "tiny",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(models / model),
+        "--export-path",
+        str(store),
+        *extra,
+    ]
 
 
 def test_success_prints_the_archive_path(models: Path, tmp_path: Path) -> None:

@@ -473,8 +473,16 @@ def test_onnx_external_data_outside_the_folder_is_refused(
         check_onnx_external_data(path)
     assert "'w'" in str(exc.value)
 
-    argv = ["--model-name", "ext", "--version", "1", "--serialized-file", str(path),
-            "--export-path", str(tmp_path / "store")]  # fmt: skip
+    argv = [
+        "--model-name",
+        "ext",
+        "--version",
+        "1",
+        "--serialized-file",
+        str(path),
+        "--export-path",
+        str(tmp_path / "store"),
+    ]
     with pytest.raises(SystemExit) as exit_:
         model_archiver_main(argv)
     assert exit_.value.code == 1
@@ -501,8 +509,15 @@ def test_invalid_model_name_is_refused(
     model = tmp_path / "m.pt"
     model.write_bytes(b"never read")
     store = tmp_path / "store"
-    argv = [f"--model-name={name}", "--version", "1", "--serialized-file", str(model),
-            "--export-path", str(store)]  # fmt: skip
+    argv = [
+        f"--model-name={name}",
+        "--version",
+        "1",
+        "--serialized-file",
+        str(model),
+        "--export-path",
+        str(store),
+    ]
     with pytest.raises(SystemExit) as exc:
         model_archiver_main(argv)
     assert exc.value.code == 1
@@ -516,10 +531,22 @@ def test_invalid_model_name_exit_code_from_the_console_script(tmp_path: Path) ->
     model = tmp_path / "m.pt"
     model.write_bytes(b"never read")
     done = subprocess.run(
-        ["model-archiver", "--model-name", "../evil", "--version", "1",
-         "--serialized-file", str(model), "--export-path", str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            "model-archiver",
+            "--model-name",
+            "../evil",
+            "--version",
+            "1",
+            "--serialized-file",
+            str(model),
+            "--export-path",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "model-archiver: error: invalid model name '../evil': use letters, digits, '_', '-' "
@@ -549,8 +576,16 @@ def test_pickle_payload_pt_is_refused_without_running(
     canary = tmp_path / "canary"
     evil = tmp_path / "evil.pt"
     torch.save({"weights": _Payload(canary)}, evil)  # a state-dict-style pickle, not TorchScript
-    argv = ["--model-name", "evil", "--version", "1", "--serialized-file", str(evil),
-            "--export-path", str(tmp_path / "store")]  # fmt: skip
+    argv = [
+        "--model-name",
+        "evil",
+        "--version",
+        "1",
+        "--serialized-file",
+        str(evil),
+        "--export-path",
+        str(tmp_path / "store"),
+    ]
     with pytest.raises(SystemExit) as exc:
         model_archiver_main(argv)
     assert exc.value.code == 1
@@ -565,9 +600,20 @@ def test_yaml_config_with_a_python_tag_is_refused(
     config = tmp_path / "config.yaml"
     config.write_text(f'boom: !!python/object/apply:os.system ["touch {canary}"]\n')
     model = save_torchscript(tmp_path / "tiny.pt")
-    argv = ["--model-name", "tiny", "--version", "1", "--serialized-file", str(model),
-            "--input-shape", "8", "-c", str(config),
-            "--export-path", str(tmp_path / "store")]  # fmt: skip
+    argv = [
+        "--model-name",
+        "tiny",
+        "--version",
+        "1",
+        "--serialized-file",
+        str(model),
+        "--input-shape",
+        "8",
+        "-c",
+        str(config),
+        "--export-path",
+        str(tmp_path / "store"),
+    ]
     with pytest.raises(SystemExit) as exc:
         model_archiver_main(argv)
     assert exc.value.code == 1

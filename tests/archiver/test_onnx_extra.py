@@ -35,8 +35,11 @@ def test_an_onnx_model_without_onnx_runtime_is_refused_naming_the_extras(tmp_pat
     model = save_onnx(tmp_path / "tiny.onnx")
     done = subprocess.run(
         [sys.executable, "-c", WITHOUT_ONNXRUNTIME, str(model)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode != 0 and "archiver:" in done.stdout, done.stdout + done.stderr
     advice = "install 'scriptserve[onnx]' (the CPU build) or 'scriptserve[gpu]' (CUDA and TensorRT)"
     assert f"backend: ONNX models need ONNX Runtime, which this installation lacks: {advice}" in (

@@ -93,14 +93,32 @@ def test_model_archiver_builds_bf16_only_where_the_cpu_has_it(tmp_path: Path) ->
     with inductor_cache():
         done = subprocess.run(
             [
-                "model-archiver", "--model-name", "m", "--version", "1", "--export-pt2",
-                "--model-file", str(TESTS / "testmodels.py"), "--model-class", "TinyMLP",
-                "--serialized-file", str(tmp_path / "weights.pt"),
-                "--sample-input", str(tmp_path / "sample.json"), "--precision", "bf16",
-                "--min-top1-agreement", "0", "--export-path", str(tmp_path),
+                "model-archiver",
+                "--model-name",
+                "m",
+                "--version",
+                "1",
+                "--export-pt2",
+                "--model-file",
+                str(TESTS / "testmodels.py"),
+                "--model-class",
+                "TinyMLP",
+                "--serialized-file",
+                str(tmp_path / "weights.pt"),
+                "--sample-input",
+                str(tmp_path / "sample.json"),
+                "--precision",
+                "bf16",
+                "--min-top1-agreement",
+                "0",
+                "--export-path",
+                str(tmp_path),
             ],
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
 
     assert "Traceback" not in done.stderr
     if precision_isa() is None:  # this CPU would emulate bfloat16: refused, with what to do
@@ -123,14 +141,34 @@ def test_a_gpu_package_in_half_precision_passes_the_guard(tmp_path: Path, precis
     with inductor_cache():
         done = subprocess.run(
             [
-                "model-archiver", "--model-name", "m", "--version", "1", "--export-pt2",
-                "--model-file", str(TESTS / "testmodels.py"), "--model-class", "TinyMLP",
-                "--serialized-file", str(tmp_path / "weights.pt"), "--pt2-device", "cuda",
-                "--sample-input", str(tmp_path / "sample.json"), "--precision", precision,
-                "--min-top1-agreement", "0", "--export-path", str(tmp_path),
+                "model-archiver",
+                "--model-name",
+                "m",
+                "--version",
+                "1",
+                "--export-pt2",
+                "--model-file",
+                str(TESTS / "testmodels.py"),
+                "--model-class",
+                "TinyMLP",
+                "--serialized-file",
+                str(tmp_path / "weights.pt"),
+                "--pt2-device",
+                "cuda",
+                "--sample-input",
+                str(tmp_path / "sample.json"),
+                "--precision",
+                precision,
+                "--min-top1-agreement",
+                "0",
+                "--export-path",
+                str(tmp_path),
             ],
-            capture_output=True, text=True, timeout=600, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
 
     assert done.returncode == 0, done.stderr
     with open_archive(tmp_path / "m.mar") as reader:

@@ -84,8 +84,10 @@ def test_an_eager_model_and_its_state_dict_become_a_compiled_archive() -> None:
     }
     info = pt2_of(manifest)
     assert (info.torch_version, info.max_batch, info.source) == (
-        torch.__version__, TINY_MAX_BATCH, "eager",
-    )  # fmt: skip
+        torch.__version__,
+        TINY_MAX_BATCH,
+        "eager",
+    )
     assert info.target.device == "cpu"
     assert info.target.isa  # e.g. "AVX512 AVX512_VNNI", as Inductor picked it
     assert {"freezing": True, "noGrad": True}.items() <= info.compile_options.items()
@@ -120,10 +122,20 @@ def test_max_batch_may_lower_a_packages_bound_but_not_raise_it(
     assert pt2_of(manifest_of(lower)).max_batch == 16
 
     done = run(
-        "model-archiver", "--model-name", "user", "--version", "1.0",
-        "--serialized-file", str(tiny_package()), "--sample-input", str(sample),
-        "--export-path", str(tmp_path / "b"), "--max-batch", str(TINY_MAX_BATCH + 1),
-    )  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "user",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(tiny_package()),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(tmp_path / "b"),
+        "--max-batch",
+        str(TINY_MAX_BATCH + 1),
+    )
 
     assert one_line_error(done) == (
         f"--max-batch {TINY_MAX_BATCH + 1} is more than the {TINY_MAX_BATCH} rows tiny.pt2 was "
@@ -179,10 +191,19 @@ def test_export_pt2_without_the_model_class_is_a_one_line_error(
     torch.save(TinyMLP().state_dict(), weights)
 
     done = run(
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--export-pt2",
-        "--serialized-file", str(weights), "--sample-input", str(sample),
-        "--export-path", str(tmp_path),
-    )  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "m",
+        "--version",
+        "1.0",
+        "--export-pt2",
+        "--serialized-file",
+        str(weights),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(tmp_path),
+    )
 
     assert "--export-pt2 needs the model's class: --model-file" in one_line_error(done)
 
@@ -205,9 +226,18 @@ def test_a_pt2_file_that_is_no_package_is_a_one_line_error(
         junk.write_bytes(content)
 
     done = run(
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--serialized-file",
-        str(junk), "--sample-input", str(sample), "--export-path", str(tmp_path),
-    )  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "m",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(junk),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(tmp_path),
+    )
 
     assert one_line_error(done).startswith(message)
 
@@ -217,9 +247,18 @@ def test_a_sample_of_the_wrong_width_is_a_one_line_error(tmp_path: Path) -> None
     short.write_text(json.dumps([0.5] * 5))
 
     done = run(
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--serialized-file",
-        str(tiny_package()), "--sample-input", str(short), "--export-path", str(tmp_path),
-    )  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "m",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(tiny_package()),
+        "--sample-input",
+        str(short),
+        "--export-path",
+        str(tmp_path),
+    )
 
     assert one_line_error(done) == (
         "tiny.pt2 failed on the sample input: the compiled model failed to run: "

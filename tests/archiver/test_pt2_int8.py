@@ -146,10 +146,20 @@ def test_predict_serves_the_int8_archive(tmp_path: Path) -> None:
 
 def test_a_compiled_package_cannot_be_quantized(sample: Path, tmp_path: Path) -> None:
     done = run(
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--serialized-file",
-        str(tiny_package()), "--sample-input", str(sample), "--export-path", str(tmp_path),
-        "--quantize", "dynamic-int8",
-    )  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "m",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(tiny_package()),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(tmp_path),
+        "--quantize",
+        "dynamic-int8",
+    )
 
     assert one_line_error(done) == (
         "--quantize on a .pt2 needs the model it is compiled from: --export-pt2 with "
@@ -163,11 +173,24 @@ def eager_argv(tmp_path: Path, sample: Path, *extra: str) -> list[str]:
     torch.save(TinyMLP().state_dict(), weights)
     tests = Path(__file__).resolve().parents[1]
     return [
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--export-pt2",
-        "--model-file", str(tests / "testmodels.py"), "--model-class", "TinyMLP",
-        "--serialized-file", str(weights), "--sample-input", str(sample),
-        "--export-path", str(tmp_path), *extra,
-    ]  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "m",
+        "--version",
+        "1.0",
+        "--export-pt2",
+        "--model-file",
+        str(tests / "testmodels.py"),
+        "--model-class",
+        "TinyMLP",
+        "--serialized-file",
+        str(weights),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(tmp_path),
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -198,10 +221,20 @@ def test_static_int8_is_for_pt2_only(sample: Path, tmp_path: Path) -> None:
     torch.jit.script(TinyMLP().eval()).save(str(scripted))  # type: ignore[no-untyped-call]
 
     done = run(
-        "model-archiver", "--model-name", "m", "--version", "1.0", "--serialized-file",
-        str(scripted), "--sample-input", str(sample), "--export-path", str(tmp_path),
-        "--quantize", "static-int8",
-    )  # fmt: skip
+        "model-archiver",
+        "--model-name",
+        "m",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(scripted),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(tmp_path),
+        "--quantize",
+        "static-int8",
+    )
 
     assert one_line_error(done) == (
         "static-int8 is made for .pt2 packages (torchao's PT2E flow); torchscript models take "
@@ -305,9 +338,14 @@ def test_static_int8_leaves_one_channel_convolutions_fp32_and_follows_fp32(
 
     with inductor_cache():
         done = pt2_int8.convert(
-            program, {"x": images[:2]}, tmp_path / "grey.pt2", 16, static=True,
-            validation=validation, reduce_range=lacks_vnni(),
-        )  # fmt: skip
+            program,
+            {"x": images[:2]},
+            tmp_path / "grey.pt2",
+            16,
+            static=True,
+            validation=validation,
+            reduce_range=lacks_vnni(),
+        )
 
     assert done.options["leftFloat"] == ["grey"]
     assert done.quantized_layers == 2  # the second convolution and the linear head

@@ -120,9 +120,14 @@ def _export_onnx(path: Path, module: nn.Module, shape: tuple[int, ...]) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            module.eval(), (torch.zeros(*shape),), str(path), input_names=["x"],
-            output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False,
-        )  # fmt: skip
+            module.eval(),
+            (torch.zeros(*shape),),
+            str(path),
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+            dynamo=False,
+        )
     return path
 
 
@@ -292,9 +297,19 @@ def archive_argv(model: Path, export: Path, *extra: str) -> list[str]:
     sample = export.parent / "sample.json"
     sample.write_text(json.dumps(X[0].tolist()))
     return [
-        "--model-name", "mlp", "--version", "1.0", "--serialized-file", str(model),
-        "--sample-input", str(sample), "--export-path", str(export), "-f", *extra,
-    ]  # fmt: skip
+        "--model-name",
+        "mlp",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        str(model),
+        "--sample-input",
+        str(sample),
+        "--export-path",
+        str(export),
+        "-f",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
@@ -306,9 +321,14 @@ def test_model_archiver_writes_int8_and_records_it(tmp_path: Path, fmt: str) -> 
     )
     validation = labelled(50).save(tmp_path / "validation.npz")
     argv = archive_argv(
-        model, tmp_path / "store", "--quantize", "dynamic-int8", "--validation-file",
-        str(validation), *LOOSE_FLAGS,
-    )  # fmt: skip
+        model,
+        tmp_path / "store",
+        "--quantize",
+        "dynamic-int8",
+        "--validation-file",
+        str(validation),
+        *LOOSE_FLAGS,
+    )
     assert model_archiver_main(argv) == 0
     archive = tmp_path / "store" / "mlp.mar"
     assert verify_archive(archive).ok
@@ -381,9 +401,16 @@ def test_model_archiver_guard_refuses(
 ) -> None:
     validation = labelled(50).save(tmp_path / "validation.npz")
     argv = archive_argv(
-        mlp_pt, tmp_path / "store", "--quantize", "dynamic-int8", "--validation-file",
-        str(validation), *LOOSE_FLAGS, "--max-abs-diff", "0.000001",
-    )  # fmt: skip
+        mlp_pt,
+        tmp_path / "store",
+        "--quantize",
+        "dynamic-int8",
+        "--validation-file",
+        str(validation),
+        *LOOSE_FLAGS,
+        "--max-abs-diff",
+        "0.000001",
+    )
     with pytest.raises(SystemExit):
         model_archiver_main(argv)
     assert "int8 refused" in capsys.readouterr().err

@@ -49,12 +49,23 @@ def torchserve_archives(sources: Path, tmp_path_factory: pytest.TempPathFactory)
     for fmt in SUFFIX:
         (store / fmt).mkdir()
         done = run(
-            "torch-model-archiver", "--model-name", "tiny", "--version", "1.0",
-            "--serialized-file", "tiny.pt", "--handler", "tensor_handler.py",
-            "--extra-files", "sample.json", "--export-path", str(store / fmt),
-            "--archive-format", fmt,
+            "torch-model-archiver",
+            "--model-name",
+            "tiny",
+            "--version",
+            "1.0",
+            "--serialized-file",
+            "tiny.pt",
+            "--handler",
+            "tensor_handler.py",
+            "--extra-files",
+            "sample.json",
+            "--export-path",
+            str(store / fmt),
+            "--archive-format",
+            fmt,
             cwd=sources,
-        )  # fmt: skip
+        )
         assert done.returncode == 0, done.stderr
     return store
 
@@ -64,10 +75,19 @@ def test_torch_model_archiver_rejects_an_unknown_handler_name(
 ) -> None:
     # Why the archives here ship a handler file instead of `--handler tensor`.
     done = run(
-        "torch-model-archiver", "--model-name", "t", "--version", "1.0",
-        "--serialized-file", "tiny.pt", "--handler", "tensor", "--export-path", str(tmp_path),
+        "torch-model-archiver",
+        "--model-name",
+        "t",
+        "--version",
+        "1.0",
+        "--serialized-file",
+        "tiny.pt",
+        "--handler",
+        "tensor",
+        "--export-path",
+        str(tmp_path),
         cwd=sources,
-    )  # fmt: skip
+    )
     assert "tensor.py" in done.stderr
     assert not (tmp_path / "t.mar").exists()
 
@@ -134,11 +154,19 @@ def test_torchserve_onnx_archive_takes_its_format_from_the_extension(
     sources: Path, tmp_path: Path
 ) -> None:
     done = run(
-        "torch-model-archiver", "--model-name", "tiny-onnx", "--version", "2.0",
-        "--serialized-file", "tiny.onnx", "--handler", "tensor_handler.py",
-        "--export-path", str(tmp_path),
+        "torch-model-archiver",
+        "--model-name",
+        "tiny-onnx",
+        "--version",
+        "2.0",
+        "--serialized-file",
+        "tiny.onnx",
+        "--handler",
+        "tensor_handler.py",
+        "--export-path",
+        str(tmp_path),
         cwd=sources,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     archive = tmp_path / "tiny-onnx.mar"
     with open_archive(archive) as reader:

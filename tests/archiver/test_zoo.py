@@ -46,8 +46,9 @@ def imagenet(data: bytes, side: int) -> np.ndarray:
     image = Image.open(io.BytesIO(data)).convert("RGB")
     short = round(side / (224 / 256))
     w, h = image.size
-    image = image.resize((round(w * short / min(w, h)), round(h * short / min(w, h))),
-                         Image.Resampling.BILINEAR)  # fmt: skip
+    image = image.resize(
+        (round(w * short / min(w, h)), round(h * short / min(w, h))), Image.Resampling.BILINEAR
+    )
     w, h = image.size
     left, top = (w - side) // 2, (h - side) // 2
     image = image.crop((left, top, left + side, top + side))

@@ -102,8 +102,11 @@ def row(first: float = 0.0, second: float = 0.0, seed: int = 0) -> np.ndarray:
 
 
 def v2_body(x: np.ndarray) -> dict[str, Any]:
-    return {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                        "data": x.ravel().tolist()}]}  # fmt: skip
+    return {
+        "inputs": [
+            {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
 
 
 def infer(

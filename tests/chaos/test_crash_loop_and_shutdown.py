@@ -43,8 +43,12 @@ def test_repeated_worker_failures_back_off_then_mark_only_that_model_failed(
     store, work = tmp_path / "store", tmp_path / "src"
     ts, _ = models_dir(tmp_path)
     start_log, crash_flag = tmp_path / "starts.log", tmp_path / "crash.flag"
-    config = {"workerMode": "process", "minWorkers": 1, "startLog": str(start_log),
-              "crashFlag": str(crash_flag)}  # fmt: skip
+    config = {
+        "workerMode": "process",
+        "minWorkers": 1,
+        "startLog": str(start_log),
+        "crashFlag": str(crash_flag),
+    }
     build_archive(store, work, "crashy", ts, config)
     build_archive(store, work, "steady", ts, {"workerMode": "process", "minWorkers": 1})
     build_archive(store, work, "hangs", ts, {"minWorkers": 1, "responseTimeout": 0.5})

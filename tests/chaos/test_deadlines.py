@@ -28,10 +28,15 @@ def server(slow_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     run_log = tmp_path_factory.mktemp("runlog") / "runs.log"
     run_log.touch()
     proc = ServerProcess(
-        slow_store, "--workers", "1", "--response-timeout", str(RESPONSE_TIMEOUT_S),
-        "--queue-size", "4",
+        slow_store,
+        "--workers",
+        "1",
+        "--response-timeout",
+        str(RESPONSE_TIMEOUT_S),
+        "--queue-size",
+        "4",
         env={"RUN_LOG": str(run_log), "SLEEP_S": str(SLEEP_S)},
-    ).start()  # fmt: skip
+    ).start()
     proc.run_log = run_log  # type: ignore[attr-defined]
     yield proc
     proc.stop()

@@ -61,9 +61,13 @@ async def _load_then_sigterm(
 def test_sigterm_under_load_drains(slow_store: Path, tmp_path: Path) -> None:
     run_log = tmp_path / "runs.log"
     server = ServerProcess(
-        slow_store, "--workers", "2", "--drain-timeout", "30",
+        slow_store,
+        "--workers",
+        "2",
+        "--drain-timeout",
+        "30",
         env={"RUN_LOG": str(run_log), "SLEEP_S": "0.7"},
-    ).start()  # fmt: skip
+    ).start()
     assert server.proc is not None
     process = psutil.Process(server.proc.pid)
     try:
@@ -99,9 +103,11 @@ def test_failing_reload_keeps_v1_and_snapshot_restores(tmp_path: Path) -> None:
         r = httpx.post(f"{mgmt}/models", params=params, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
         r = httpx.put(
-            f"{mgmt}/models/copy", params={"min_worker": 2, "synchronous": "true"},
-            headers=headers, timeout=60,
-        )  # fmt: skip
+            f"{mgmt}/models/copy",
+            params={"min_worker": 2, "synchronous": "true"},
+            headers=headers,
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
     finally:
         server.stop()

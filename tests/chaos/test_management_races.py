@@ -52,9 +52,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     v2 = archive(root / "v2", work, "churn", version="2.0")
     shutil.copy(v2, store / "churn_v2.mar")
     proc = ServerProcess(
-        store, "--workers", "1", "--enable-model-api", "--no-snapshot",
-        "--models", "steady.mar", "churn.mar",
-    ).start(timeout_s=120)  # fmt: skip
+        store,
+        "--workers",
+        "1",
+        "--enable-model-api",
+        "--no-snapshot",
+        "--models",
+        "steady.mar",
+        "churn.mar",
+    ).start(timeout_s=120)
     yield proc
     proc.stop()
 
@@ -128,9 +134,12 @@ class Operator:
     def scale(self, version: str, workers: int, synchronous: bool = True) -> None:
         expect = (200,) if synchronous else (202,)
         self.call(
-            "PUT", f"/models/churn/{version}", expect,
-            min_worker=workers, synchronous=str(synchronous).lower(),
-        )  # fmt: skip
+            "PUT",
+            f"/models/churn/{version}",
+            expect,
+            min_worker=workers,
+            synchronous=str(synchronous).lower(),
+        )
 
     def set_default(self, version: str) -> None:
         self.call("PUT", f"/models/churn/{version}/set-default", (200,))

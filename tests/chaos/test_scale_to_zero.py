@@ -30,10 +30,15 @@ QUEUED = 4
 def server(slow_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     run_log = tmp_path_factory.mktemp("runs") / "runs.log"
     proc = ServerProcess(
-        slow_store, "--workers", "1", "--enable-model-api", "--no-snapshot",
-        "--drain-timeout", str(DRAIN_S),
+        slow_store,
+        "--workers",
+        "1",
+        "--enable-model-api",
+        "--no-snapshot",
+        "--drain-timeout",
+        str(DRAIN_S),
         env={"RUN_LOG": str(run_log), "SLEEP_S": str(SLEEP_S)},
-    ).start()  # fmt: skip
+    ).start()
     yield proc
     proc.stop()
 
@@ -122,9 +127,11 @@ def test_scaling_to_zero_fails_the_queue_at_once_and_refuses_new_requests(
     assert (described["workers"], described["jobQueueStatus"]["pendingRequests"]) == ([], 0)
 
     r = httpx.put(
-        f"{mgmt}/models/slow", params={"min_worker": 1, "synchronous": "true"}, headers=headers,
+        f"{mgmt}/models/slow",
+        params={"min_worker": 1, "synchronous": "true"},
+        headers=headers,
         timeout=60,
-    )  # fmt: skip
+    )
     assert r.status_code == 200, r.text
     r = httpx.post(f"{server.url}/predictions/slow", json=body(10), timeout=30)
     assert r.status_code == 200, r.text
@@ -164,9 +171,11 @@ def test_unregistering_a_version_with_no_worker_returns_at_once(server: ServerPr
     r = httpx.post(f"{mgmt}/models", params=params, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     r = httpx.put(
-        f"{mgmt}/models/idle_copy", params={"min_worker": 0, "synchronous": "true"},
-        headers=headers, timeout=60,
-    )  # fmt: skip
+        f"{mgmt}/models/idle_copy",
+        params={"min_worker": 0, "synchronous": "true"},
+        headers=headers,
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     started = time.monotonic()
     r = httpx.delete(f"{mgmt}/models/idle_copy", headers=headers, timeout=60)

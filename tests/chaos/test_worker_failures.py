@@ -52,9 +52,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     build_archive(store, work, "tiny", ts, {"workerMode": "process", "minWorkers": 2}, chaos=False)
     build_archive(store, work, "tiny_onnx", onnx, {"worker_mode": "process"}, chaos=False)
     build_archive(
-        store, work, "chaos", ts,
+        store,
+        work,
+        "chaos",
+        ts,
         {"workerMode": "process", "minWorkers": 1, "responseTimeout": RESPONSE_TIMEOUT_S},
-    )  # fmt: skip
+    )
     build_archive(store, work, "stuck", ts, {"minWorkers": 1, "responseTimeout": STUCK_TIMEOUT_S})
     env = {
         "SCRIPTSERVE_WORKER_RESTART_BACKOFF_S": "1.0",

@@ -32,13 +32,29 @@ BASE_TAG = "localhost/scriptserve-test-base:bookworm"
 IMAGE_REPO = "localhost/scriptserve-test"
 DEBIAN_MIRROR = os.environ.get("SCRIPTSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # Paths a slim base image leaves out: package lists and caches, docs, man pages, locales.
-TRIM = ("var/lib/apt/lists", "var/cache/apt", "usr/share/doc", "usr/share/man",
-        "usr/share/locale", "usr/share/info")  # fmt: skip
+TRIM = (
+    "var/lib/apt/lists",
+    "var/cache/apt",
+    "usr/share/doc",
+    "usr/share/man",
+    "usr/share/locale",
+    "usr/share/info",
+)
 # What the image is built from; any change makes a new tag (and so a new build).
-IMAGE_INPUTS = ("docker/Dockerfile", "docker/config.yaml", "docker/entrypoint.sh",
-                "docker/healthcheck.py", "docker/wheelhouse.sh", "pyproject.toml",
-                "constraints.txt", "README.md", "archiver", "handlers", "server",
-                "training")  # fmt: skip
+IMAGE_INPUTS = (
+    "docker/Dockerfile",
+    "docker/config.yaml",
+    "docker/entrypoint.sh",
+    "docker/healthcheck.py",
+    "docker/wheelhouse.sh",
+    "pyproject.toml",
+    "constraints.txt",
+    "README.md",
+    "archiver",
+    "handlers",
+    "server",
+    "training",
+)
 
 
 def missing_tools() -> list[str]:
@@ -75,8 +91,14 @@ class Storage:
     @property
     def options(self) -> list[str]:
         root = CACHE / f"storage-{self.driver}"
-        return ["--root", str(root), "--runroot", str(CACHE / f"run-{self.driver}"),
-                "--storage-driver", self.driver]  # fmt: skip
+        return [
+            "--root",
+            str(root),
+            "--runroot",
+            str(CACHE / f"run-{self.driver}"),
+            "--storage-driver",
+            self.driver,
+        ]
 
     def buildah(self, *args: str) -> list[str]:
         return ["buildah", *self.options, *args]
@@ -121,8 +143,17 @@ def base_rootfs() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         rootfs = Path(tmp) / "rootfs"
-        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv",
-             "bookworm", str(rootfs), DEBIAN_MIRROR], timeout_s=900)  # fmt: skip
+        run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=python3,python3-venv",
+                "bookworm",
+                str(rootfs),
+                DEBIAN_MIRROR,
+            ],
+            timeout_s=900,
+        )
         for rel in TRIM:
             for child in (rootfs / rel).glob("*"):
                 if child.is_dir() and not child.is_symlink():
@@ -181,12 +212,26 @@ def build_image(storage: Storage) -> BuiltImage:
     if storage.has_image(tag):
         return BuiltImage(storage, tag, 0.0)
     start = time.monotonic()
-    run(storage.buildah(
-        "bud", "--isolation", "chroot", "--format", "docker", "--pull-never",
-        "--build-arg", f"BASE_IMAGE={base}",
-        "--build-arg", f"WHEELHOUSE={wheels.relative_to(ROOT)}",
-        "-f", str(ROOT / "docker" / "Dockerfile"), "-t", tag, str(ROOT),
-    ), timeout_s=1500)  # fmt: skip
+    run(
+        storage.buildah(
+            "bud",
+            "--isolation",
+            "chroot",
+            "--format",
+            "docker",
+            "--pull-never",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "--build-arg",
+            f"WHEELHOUSE={wheels.relative_to(ROOT)}",
+            "-f",
+            str(ROOT / "docker" / "Dockerfile"),
+            "-t",
+            tag,
+            str(ROOT),
+        ),
+        timeout_s=1500,
+    )
     elapsed = time.monotonic() - start
     # Older test images (other inputs) only take disk space.
     listed = run(storage.buildah("images", "--format", "{{.Name}}:{{.Tag}}")).stdout.split()

@@ -122,8 +122,14 @@ def test_prometheus_computes_the_queue_of_the_deployments_pods(
     pod_a, pod_b = f"{name}-7d9c5b4f8-x2kqp", f"{name}-7d9c5b4f8-9wz4h"
 
     def pod(namespace: str, pod: str, **labels: str) -> dict[str, str]:
-        return {**served, **labels, "job": "kubernetes-pods", "instance": "10.0.0.1:8082",
-                "namespace": namespace, "pod": pod}  # fmt: skip
+        return {
+            **served,
+            **labels,
+            "job": "kubernetes-pods",
+            "instance": "10.0.0.1:8082",
+            "namespace": namespace,
+            "pod": pod,
+        }
 
     depths = {
         selector(QUEUE_DEPTH, pod(namespace, pod_a)): 30,
@@ -139,20 +145,34 @@ def test_prometheus_computes_the_queue_of_the_deployments_pods(
     static = selector(QUEUE_DEPTH, {**served, "job": "static", "instance": "10.0.0.9:8082"})
     matchers = f'namespace="{namespace}",pod=~"{pod_a}|{pod_b}"'
     metrics_query = render(RULE["metricsQuery"], QUEUE_DEPTH, matchers, "pod")
-    tests = [{
-        "interval": "15s",
-        "input_series": [{"series": s, "values": f"{v}x12"} for s, v in
-                         [*depths.items(), (static, 900)]],
-        "promql_expr_test": [
-            {"expr": KEDA_QUERY, "eval_time": "2m",
-             "exp_samples": [{"labels": "{}", "value": 140}]},
-            {"expr": metrics_query, "eval_time": "2m",
-             "exp_samples": [{"labels": f'{{pod="{pod_a}"}}', "value": 40},
-                             {"labels": f'{{pod="{pod_b}"}}', "value": 100}]},
-            {"expr": RULE["seriesQuery"], "eval_time": "2m",
-             "exp_samples": [{"labels": s, "value": v} for s, v in depths.items()]},
-        ],
-    }]  # fmt: skip
+    tests = [
+        {
+            "interval": "15s",
+            "input_series": [
+                {"series": s, "values": f"{v}x12"} for s, v in [*depths.items(), (static, 900)]
+            ],
+            "promql_expr_test": [
+                {
+                    "expr": KEDA_QUERY,
+                    "eval_time": "2m",
+                    "exp_samples": [{"labels": "{}", "value": 140}],
+                },
+                {
+                    "expr": metrics_query,
+                    "eval_time": "2m",
+                    "exp_samples": [
+                        {"labels": f'{{pod="{pod_a}"}}', "value": 40},
+                        {"labels": f'{{pod="{pod_b}"}}', "value": 100},
+                    ],
+                },
+                {
+                    "expr": RULE["seriesQuery"],
+                    "eval_time": "2m",
+                    "exp_samples": [{"labels": s, "value": v} for s, v in depths.items()],
+                },
+            ],
+        }
+    ]
     path = tmp_path / "autoscaling_test.yml"
     path.write_text(yaml.safe_dump({"rule_files": [], "tests": tests}))
     dashboard.run(promtool, "test", "rules", str(path))
@@ -210,8 +230,9 @@ def command_blocks() -> dict[str, list[str]]:
     deployment docs, and each manifest's comments."""
     docs = (ROOT / "docs" / "deployment.md").read_text()
     blocks = re.findall(r"^[ \t]*```[\w-]*\n(.*?)^[ \t]*```", docs, re.M | re.S)
-    found = {f"deployment.md, code block {i}": kubectl_apply_commands(b) for i, b in
-             enumerate(blocks)}  # fmt: skip
+    found = {
+        f"deployment.md, code block {i}": kubectl_apply_commands(b) for i, b in enumerate(blocks)
+    }
     for path in sorted((ROOT / "docker" / "k8s").glob("*.yaml")):
         found[path.name] = kubectl_apply_commands(path.read_text())
     return found

@@ -246,10 +246,19 @@ def test_dashboard_is_a_provisionable_grafana_dashboard() -> None:
             if "model" not in t["expr"] and "process_" not in t["expr"]:
                 pytest.fail(f"{p['title']}: every scriptserve series should follow $model")
     titles = {p["title"] for p in panels()}
-    for wanted in ("Request rate by model", "Request rate by status", "Request latency",
-                   "Errors by status", "Queue depth", "Batch size distribution",
-                   "Mean batch size", "Worker busy share", "Worker restarts and stuck workers",
-                   "CPU", "Resident memory"):  # fmt: skip
+    for wanted in (
+        "Request rate by model",
+        "Request rate by status",
+        "Request latency",
+        "Errors by status",
+        "Queue depth",
+        "Batch size distribution",
+        "Mean batch size",
+        "Worker busy share",
+        "Worker restarts and stuck workers",
+        "CPU",
+        "Resident memory",
+    ):
         assert wanted in titles
 
 

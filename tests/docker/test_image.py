@@ -31,8 +31,13 @@ from tests.docker.buildah import ROOT, BuiltImage, run
 pytestmark = [pytest.mark.slow, pytest.mark.container, pytest.mark.timeout(1800)]
 
 MAX_IMAGE_BYTES = 1_200_000_000
-ADDRESS_SETTINGS = ("inference_address", "management_address", "metrics_address",
-                    "grpc_inference_address", "grpc_management_address")  # fmt: skip
+ADDRESS_SETTINGS = (
+    "inference_address",
+    "management_address",
+    "metrics_address",
+    "grpc_inference_address",
+    "grpc_management_address",
+)
 X = (np.arange(24, dtype=np.float32).reshape(3, 8) - 12) / 10
 
 

@@ -63,10 +63,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def test_every_file_parses_and_names_known_kinds() -> None:
     kinds = sorted(d["kind"] for d in ALL_K8S)
-    assert kinds == sorted(["PersistentVolumeClaim", "Deployment", "Service",
-                            *["HorizontalPodAutoscaler"] * 2, "ScaledObject", "ConfigMap",
-                            *["ClusterServingRuntime"] * 2,
-                            *["InferenceService"] * 4])  # fmt: skip
+    assert kinds == sorted(
+        [
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Service",
+            *["HorizontalPodAutoscaler"] * 2,
+            "ScaledObject",
+            "ConfigMap",
+            *["ClusterServingRuntime"] * 2,
+            *["InferenceService"] * 4,
+        ]
+    )
     assert load_all(DOCKER / "prometheus.yml")
     assert set(COMPOSE["services"]) == {"scriptserve", "prometheus", "grafana"}
 
@@ -100,9 +108,13 @@ def test_ports_are_the_servers_defaults() -> None:
     deployment = one(K8S["deployment.yaml"], "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert named == {"http": PORT["inference"], "management": PORT["management"],
-                     "metrics": PORT["metrics"], "grpc": PORT["grpc_inference"],
-                     "grpc-management": PORT["grpc_management"]}  # fmt: skip
+    assert named == {
+        "http": PORT["inference"],
+        "management": PORT["management"],
+        "metrics": PORT["metrics"],
+        "grpc": PORT["grpc_inference"],
+        "grpc-management": PORT["grpc_management"],
+    }
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert named[container[probe]["httpGet"]["port"]] == PORT["inference"]
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(
@@ -125,8 +137,11 @@ def test_kserve_runtime_speaks_v1_and_v2_over_rest_and_v2_over_grpc() -> None:
     (container,) = runtime["spec"]["containers"]
     assert [p["containerPort"] for p in container["ports"]] == [PORT["inference"]]
     assert container["args"][container["args"].index("--model-store") + 1] == "/mnt/models"
-    services = {d["spec"]["predictor"]["model"]["protocolVersion"]: d for d in docs
-                if d["kind"] == "InferenceService"}  # fmt: skip
+    services = {
+        d["spec"]["predictor"]["model"]["protocolVersion"]: d
+        for d in docs
+        if d["kind"] == "InferenceService"
+    }
     assert set(services) == {"v1", "v2", "grpc-v2"}
     formats = {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     for isvc in services.values():
@@ -278,9 +293,11 @@ def has_api_schema(doc: dict[str, Any]) -> bool:
 
 def test_the_vendored_crds_are_those_of_the_custom_kinds() -> None:
     custom = {(d["apiVersion"], d["kind"]) for d in ALL_K8S if not has_api_schema(d)}
-    assert custom == {("serving.kserve.io/v1alpha1", "ClusterServingRuntime"),
-                      ("serving.kserve.io/v1beta1", "InferenceService"),
-                      ("keda.sh/v1alpha1", "ScaledObject")}  # fmt: skip
+    assert custom == {
+        ("serving.kserve.io/v1alpha1", "ClusterServingRuntime"),
+        ("serving.kserve.io/v1beta1", "InferenceService"),
+        ("keda.sh/v1alpha1", "ScaledObject"),
+    }
     assert set(CRD_VALIDATORS) == custom
     for path in CRDS.glob("*.yaml"):
         header = path.read_text().split("\ngroup:", 1)[0]

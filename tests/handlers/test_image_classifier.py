@@ -63,8 +63,9 @@ def _served(root: Path) -> Iterator[ImageClassifierHandler]:
     assert model_archiver_main(argv) == 0
     with open_archive(root / "store" / "brightness.mar") as reader:
         manifest = reader.manifest
-        context = Context("brightness", "1.0", reader.root, manifest,
-                          read_model_config(reader.root, manifest))  # fmt: skip
+        context = Context(
+            "brightness", "1.0", reader.root, manifest, read_model_config(reader.root, manifest)
+        )
         handler = load_handler(context)
         assert isinstance(handler, ImageClassifierHandler)
         yield handler
@@ -128,8 +129,9 @@ def test_batch_with_a_bad_image_fails_only_that_request(handler: ImageClassifier
 
 def test_tensor_input_as_json_and_oip(handler: ImageClassifierHandler) -> None:
     four = np.full((1, 8, 8), 4 / 9, np.float32)
-    as_json = InferenceRequest(body=json.dumps(four.tolist()).encode(),
-                               content_type="application/json")  # fmt: skip
+    as_json = InferenceRequest(
+        body=json.dumps(four.tolist()).encode(), content_type="application/json"
+    )
     batch = np.stack([np.full((1, 8, 8), c / 9, np.float32) for c in (3, 6)])
     as_oip = InferenceRequest(inputs={"x": batch})
     images_oip = InferenceRequest(

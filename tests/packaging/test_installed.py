@@ -88,10 +88,24 @@ def test_register_from_url_and_predict(
     model = save_torchscript(tmp_path / "tiny.pt")
     site = tmp_path / "site"
     archived = subprocess.run(
-        [str(runtime_venv / "model-archiver"), "--model-name", "tiny", "--version", "1.0",
-         "--serialized-file", str(model), "--input-shape", "8", "--export-path", str(site)],
-        check=False, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            str(runtime_venv / "model-archiver"),
+            "--model-name",
+            "tiny",
+            "--version",
+            "1.0",
+            "--serialized-file",
+            str(model),
+            "--input-shape",
+            "8",
+            "--export-path",
+            str(site),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert archived.returncode == 0, archived.stderr
     assert (site / "tiny.mar").is_file()
 
@@ -99,9 +113,14 @@ def test_register_from_url_and_predict(
     store.mkdir()
     allowed = json.dumps([re.escape(archive_site) + "/.*"])
     server = installed_server(
-        runtime_venv, store, "--enable-model-api", "--workers", "1",
-        cwd=tmp_path, env={"SCRIPTSERVE_ALLOWED_URLS": allowed},
-    )  # fmt: skip
+        runtime_venv,
+        store,
+        "--enable-model-api",
+        "--workers",
+        "1",
+        cwd=tmp_path,
+        env={"SCRIPTSERVE_ALLOWED_URLS": allowed},
+    )
 
     url = urllib.parse.quote(f"{archive_site}/tiny.mar", safe="")
     key = server.mgmt_headers["Authorization"]
@@ -117,10 +136,24 @@ def test_register_from_url_and_predict(
     # onnxruntime-gpu (the gpu extra) falls back to its CPU provider where there is no GPU.
     onnx_model = save_onnx(tmp_path / "tiny.onnx")
     archived = subprocess.run(
-        [str(runtime_venv / "model-archiver"), "--model-name", "tiny_onnx", "--version", "1.0",
-         "--serialized-file", str(onnx_model), "--input-shape", "8", "--export-path", str(site)],
-        check=False, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            str(runtime_venv / "model-archiver"),
+            "--model-name",
+            "tiny_onnx",
+            "--version",
+            "1.0",
+            "--serialized-file",
+            str(onnx_model),
+            "--input-shape",
+            "8",
+            "--export-path",
+            str(site),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert archived.returncode == 0, archived.stderr
     url = urllib.parse.quote(f"{archive_site}/tiny_onnx.mar", safe="")
     status, answer = call("POST", f"{server.mgmt}/models?url={url}", Authorization=key)

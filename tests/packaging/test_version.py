@@ -39,9 +39,20 @@ def test_model_archiver_version_with_a_value_is_the_models(
     """TorchServe's `-v/--version VERSION` still names the model's version."""
     model = save_torchscript(tmp_path / "tiny.pt")
     done = run(
-        [str(dev_scripts / "model-archiver"), "--model-name", "tiny", "--version", "7.5",
-         "--serialized-file", str(model), "--input-shape", "8", "--export-path", str(tmp_path)]
-    )  # fmt: skip
+        [
+            str(dev_scripts / "model-archiver"),
+            "--model-name",
+            "tiny",
+            "--version",
+            "7.5",
+            "--serialized-file",
+            str(model),
+            "--input-shape",
+            "8",
+            "--export-path",
+            str(tmp_path),
+        ]
+    )
     assert done.returncode == 0, done.stderr
     with open_archive(tmp_path / "tiny.mar") as reader:
         assert reader.manifest.model.model_version == "7.5"

@@ -33,9 +33,12 @@ INFERENCE_KEY = secrets.token_urlsafe(24)
 @pytest.fixture(scope="module")
 def server(store: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
-        store, "--enable-model-api", "--workers", "1",
+        store,
+        "--enable-model-api",
+        "--workers",
+        "1",
         env={"SCRIPTSERVE_INFERENCE_KEY": INFERENCE_KEY},
-    ).start()  # fmt: skip
+    ).start()
     yield proc
     proc.stop()
 
@@ -70,9 +73,17 @@ def test_management_rest_needs_its_key(server: ServerProcess) -> None:
 def test_inference_rest_needs_its_key_when_set(server: ServerProcess) -> None:
     for path, body in (
         ("/predictions/tiny", {"json": X.tolist()}),  # answered by the HTTP protocol
-        ("/v2/models/tiny/infer", {"json": {"inputs": [
-            {"name": "x", "shape": [1, 8], "datatype": "FP32", "data": X.tolist()}]}}),
-    ):  # fmt: skip
+        (
+            "/v2/models/tiny/infer",
+            {
+                "json": {
+                    "inputs": [
+                        {"name": "x", "shape": [1, 8], "datatype": "FP32", "data": X.tolist()}
+                    ]
+                }
+            },
+        ),
+    ):
         assert httpx.post(f"{server.url}{path}", **body).status_code == 401
         r = httpx.post(f"{server.url}{path}", headers=bearer("x" * 32), **body)
         assert r.status_code == 401
@@ -147,13 +158,24 @@ def test_keys_never_logged(server: ServerProcess) -> None:
 # -- listening beyond loopback ----------------------------------------------------------------
 def serve_cmd(store: Path, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "scriptserve", "serve", "--model-store", str(store),
-        "--models", "tiny.mar",
-        "--management-address", f"127.0.0.1:{free_port()}",
-        "--metrics-address", f"127.0.0.1:{free_port()}",
-        "--grpc-inference-address", f"127.0.0.1:{free_port()}",
-        "--grpc-management-address", f"127.0.0.1:{free_port()}", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "scriptserve",
+        "serve",
+        "--model-store",
+        str(store),
+        "--models",
+        "tiny.mar",
+        "--management-address",
+        f"127.0.0.1:{free_port()}",
+        "--metrics-address",
+        f"127.0.0.1:{free_port()}",
+        "--grpc-inference-address",
+        f"127.0.0.1:{free_port()}",
+        "--grpc-management-address",
+        f"127.0.0.1:{free_port()}",
+        *args,
+    ]
 
 
 def test_refuses_non_loopback_without_a_key(store: Path, tmp_path: Path) -> None:

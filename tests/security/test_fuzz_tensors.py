@@ -120,9 +120,15 @@ def baseline(server: ServerProcess) -> tuple[float, int]:
     twice=st.booleans(),
 )
 def test_oip_json(
-    server: ServerProcess, baseline: tuple[float, int], model: str, name: str, datatype: str,
-    shape: Any, data: Any, twice: bool,
-) -> None:  # fmt: skip
+    server: ServerProcess,
+    baseline: tuple[float, int],
+    model: str,
+    name: str,
+    datatype: str,
+    shape: Any,
+    data: Any,
+    twice: bool,
+) -> None:
     tensor = {"name": name, "datatype": datatype, "shape": shape, "data": data}
     body = {"inputs": [tensor, tensor] if twice else [tensor]}
     r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=json.dumps(body), timeout=30)
@@ -139,17 +145,29 @@ def test_oip_json(
     header_length=st.sampled_from(["exact", "²", "-1", "1e3", "", "99999999999999999999"]),
 )
 def test_oip_binary(
-    server: ServerProcess, baseline: tuple[float, int], model: str, datatype: str,
-    shape: list[int], blob: bytes, declared: Any, header_length: str,
-) -> None:  # fmt: skip
-    spec = {"name": "x", "datatype": datatype, "shape": shape,
-            "parameters": {"binary_data_size": declared}}  # fmt: skip
+    server: ServerProcess,
+    baseline: tuple[float, int],
+    model: str,
+    datatype: str,
+    shape: list[int],
+    blob: bytes,
+    declared: Any,
+    header_length: str,
+) -> None:
+    spec = {
+        "name": "x",
+        "datatype": datatype,
+        "shape": shape,
+        "parameters": {"binary_data_size": declared},
+    }
     header = json.dumps({"inputs": [spec]}).encode()
     length = str(len(header)) if header_length == "exact" else header_length
     r = httpx.post(
-        f"{server.url}/v2/models/{model}/infer", content=header + blob,
-        headers={"Inference-Header-Content-Length": length.encode()}, timeout=30,
-    )  # fmt: skip
+        f"{server.url}/v2/models/{model}/infer",
+        content=header + blob,
+        headers={"Inference-Header-Content-Length": length.encode()},
+        timeout=30,
+    )
     _assert_client_error(r.status_code, r.text)
 
 
@@ -183,9 +201,14 @@ typed_contents = st.one_of(
     typed=typed_contents,
 )
 def test_grpc_infer(
-    server: ServerProcess, baseline: tuple[float, int], model: str, datatype: str,
-    shape: list[int], raw: bytes | None, typed: Any,
-) -> None:  # fmt: skip
+    server: ServerProcess,
+    baseline: tuple[float, int],
+    model: str,
+    datatype: str,
+    shape: list[int],
+    raw: bytes | None,
+    typed: Any,
+) -> None:
     request = _grpc_request(model, datatype, shape, raw, typed)
     with grpc.insecure_channel(server.grpc) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -193,19 +216,25 @@ def test_grpc_infer(
             stub.ModelInfer(request, timeout=30)
         except grpc.RpcError as error:
             assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (
-                error.code(), error.details(),
-            )  # fmt: skip
+                error.code(),
+                error.details(),
+            )
             assert not LEAK.search(error.details() or "")
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     bad=st.lists(
         st.tuples(st.sampled_from(DATATYPES), st.lists(dims, max_size=3), st.binary(max_size=40)),
-        min_size=1, max_size=6,
+        min_size=1,
+        max_size=6,
     ),
-)  # fmt: skip
+)
 def test_grpc_stream_fails_only_the_bad_messages(
     server: ServerProcess, baseline: tuple[float, int], bad: list[tuple[str, list[int], bytes]]
 ) -> None:

@@ -34,11 +34,15 @@ IDLE_S = 1.0
 @pytest.fixture(scope="module")
 def server(store: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
-        store, "--workers", "1",
-        env={"SCRIPTSERVE_GRPC_MAX_CONCURRENT_STREAMS": str(MAX_STREAMS),
-             "SCRIPTSERVE_GRPC_KEEPALIVE_MAX_PING_STRIKES": "1",
-             "SCRIPTSERVE_GRPC_MAX_CONNECTION_IDLE_S": str(IDLE_S)},
-    ).start()  # fmt: skip
+        store,
+        "--workers",
+        "1",
+        env={
+            "SCRIPTSERVE_GRPC_MAX_CONCURRENT_STREAMS": str(MAX_STREAMS),
+            "SCRIPTSERVE_GRPC_KEEPALIVE_MAX_PING_STRIKES": "1",
+            "SCRIPTSERVE_GRPC_MAX_CONNECTION_IDLE_S": str(IDLE_S),
+        },
+    ).start()
     yield proc
     proc.stop()
 

@@ -24,12 +24,18 @@ LIMIT = 65536
 @pytest.fixture(scope="module")
 def server(store: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
-        store, "--enable-model-api", "--workers", "1",
-        env={"SCRIPTSERVE_MAX_REQUEST_BYTES": str(LIMIT),
-             "SCRIPTSERVE_GRPC_MAX_MESSAGE_BYTES": str(LIMIT),
-             "SCRIPTSERVE_MAX_MULTIPART_FILES": "2", "SCRIPTSERVE_MAX_MULTIPART_FIELDS": "4",
-             "SCRIPTSERVE_MAX_MULTIPART_PART_BYTES": "2048"},
-    ).start()  # fmt: skip
+        store,
+        "--enable-model-api",
+        "--workers",
+        "1",
+        env={
+            "SCRIPTSERVE_MAX_REQUEST_BYTES": str(LIMIT),
+            "SCRIPTSERVE_GRPC_MAX_MESSAGE_BYTES": str(LIMIT),
+            "SCRIPTSERVE_MAX_MULTIPART_FILES": "2",
+            "SCRIPTSERVE_MAX_MULTIPART_FIELDS": "4",
+            "SCRIPTSERVE_MAX_MULTIPART_PART_BYTES": "2048",
+        },
+    ).start()
     yield proc
     proc.stop()
 

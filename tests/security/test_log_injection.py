@@ -62,15 +62,25 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     archive(store, work, "tiny")
     archive(store, work, "victim_thread", handler=str(handler), config={"batchSize": 1})
     archive(
-        store, work, "victim_process", handler=str(handler),
+        store,
+        work,
+        "victim_process",
+        handler=str(handler),
         config={"batchSize": 1, "workerMode": "process"},
-    )  # fmt: skip
+    )
     (store / "broken.mar").write_bytes(b"not a zip archive at all")
     proc = ServerProcess(
-        store, "--workers", "1", "--enable-model-api", "--no-snapshot",
-        "--models", "tiny.mar", "victim_thread.mar", "victim_process.mar",
+        store,
+        "--workers",
+        "1",
+        "--enable-model-api",
+        "--no-snapshot",
+        "--models",
+        "tiny.mar",
+        "victim_thread.mar",
+        "victim_process.mar",
         env={"SCRIPTSERVE_WORKER_RESTART_BACKOFF_S": "0.2"},
-    ).start(timeout_s=120)  # fmt: skip
+    ).start(timeout_s=120)
     yield proc
     proc.stop()
 
@@ -110,9 +120,11 @@ def test_a_model_name_with_a_newline_forges_no_line(server: ServerProcess) -> No
 
     # A name that ends in a newline: refused or registered, its log lines stay whole.
     r = httpx.post(
-        f"{mgmt}/models", params={"url": "tiny.mar", "model_name": "tiny2\n"}, headers=headers,
+        f"{mgmt}/models",
+        params={"url": "tiny.mar", "model_name": "tiny2\n"},
+        headers=headers,
         timeout=60,
-    )  # fmt: skip
+    )
     assert r.status_code in (200, 400), r.text
     if r.status_code == 200:
         wait_for_log(server, "model=tiny2\\n version=1.0 loaded")

@@ -70,17 +70,28 @@ def setup(
     remote = archive(work / "out", work, "remote")
     evil = Listener({"/evil.mar": remote.read_bytes()})
     listener = Listener(
-        {"/allowed/remote.mar": remote.read_bytes(), "/other/remote.mar": remote.read_bytes(),
-         "/allowed/big.mar": b"0" * (3 << 20)},
-        {"/allowed/redirect.mar": f"http://127.0.0.1:{evil.port}/evil.mar",
-         "/allowed/hop.mar": "/allowed/remote.mar"},
-    )  # fmt: skip
+        {
+            "/allowed/remote.mar": remote.read_bytes(),
+            "/other/remote.mar": remote.read_bytes(),
+            "/allowed/big.mar": b"0" * (3 << 20),
+        },
+        {
+            "/allowed/redirect.mar": f"http://127.0.0.1:{evil.port}/evil.mar",
+            "/allowed/hop.mar": "/allowed/remote.mar",
+        },
+    )
     allowed = f'["http://127\\\\.0\\\\.0\\\\.1:{listener.port}/allowed/.*"]'
     proc = ServerProcess(
-        store, "--enable-model-api", "--workers", "1",
-        env={"SCRIPTSERVE_ALLOWED_URLS": allowed, "SCRIPTSERVE_DOWNLOAD_MAX_BYTES": str(1 << 20),
-             "SCRIPTSERVE_DOWNLOAD_TIMEOUT_S": "2"},
-    ).start()  # fmt: skip
+        store,
+        "--enable-model-api",
+        "--workers",
+        "1",
+        env={
+            "SCRIPTSERVE_ALLOWED_URLS": allowed,
+            "SCRIPTSERVE_DOWNLOAD_MAX_BYTES": str(1 << 20),
+            "SCRIPTSERVE_DOWNLOAD_TIMEOUT_S": "2",
+        },
+    ).start()
     yield proc, listener, evil
     proc.stop()
     listener.close()
@@ -89,9 +100,11 @@ def setup(
 
 def register(server: ServerProcess, url: str, **params: str) -> httpx.Response:
     return httpx.post(
-        f"{server.mgmt}/models", params={"url": url, **params}, headers=server.mgmt_headers,
+        f"{server.mgmt}/models",
+        params={"url": url, **params},
+        headers=server.mgmt_headers,
         timeout=60,
-    )  # fmt: skip
+    )
 
 
 def test_refused_urls_make_no_connection(setup: tuple[ServerProcess, Listener, Listener]) -> None:

@@ -51,9 +51,14 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
 
 
 async def hammer(
-    server: ServerProcess, request: bytes, tally: Tally, signalled: asyncio.Event,
-    answers: list[int], slot: int, expected: list[float] | None,
-) -> None:  # fmt: skip
+    server: ServerProcess,
+    request: bytes,
+    tally: Tally,
+    signalled: asyncio.Event,
+    answers: list[int],
+    slot: int,
+    expected: list[float] | None,
+) -> None:
     assert server.proc is not None
     writer: asyncio.StreamWriter | None = None
     while True:

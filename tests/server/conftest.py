@@ -89,8 +89,16 @@ def streaming_server(
         work, store, "ts_stream", "--serialized-file", "lm.pt", "--handler", "ts_stream.py"
     )
     proc = ServerProcess(
-        store, "--workers", "1", "--max-batch-delay", "20", "--enable-model-api",
-        "--stream-max-unread-parts", str(MAX_UNREAD), "--http-send-timeout-s", str(SEND_TIMEOUT_S),
-    ).start()  # fmt: skip
+        store,
+        "--workers",
+        "1",
+        "--max-batch-delay",
+        "20",
+        "--enable-model-api",
+        "--stream-max-unread-parts",
+        str(MAX_UNREAD),
+        "--http-send-timeout-s",
+        str(SEND_TIMEOUT_S),
+    ).start()
     yield proc
     proc.stop()

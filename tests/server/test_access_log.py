@@ -61,10 +61,18 @@ def logged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     assert model_archiver_main(argv) == 0
     access = work / "access.log"
     proc = ServerProcess(
-        store, "--workers", "1", "--access-log", str(access), "--access-log-format", "json",
-        "--log-format", "json", "--enable-model-api",
+        store,
+        "--workers",
+        "1",
+        "--access-log",
+        str(access),
+        "--access-log-format",
+        "json",
+        "--log-format",
+        "json",
+        "--enable-model-api",
         env={"SCRIPTSERVE_INFERENCE_KEY": INFERENCE_KEY},
-    ).start()  # fmt: skip
+    ).start()
     yield proc, access
     proc.stop()
 
@@ -96,9 +104,10 @@ ROW = [BODY_MARKER] + [0.5] * 7
 def test_rest_requests_are_logged_with_their_id(logged: tuple[ServerProcess, Path]) -> None:
     server, access = logged
     r = httpx.post(
-        f"{server.url}/predictions/tiny?token={QUERY_SECRET}", json=ROW,
+        f"{server.url}/predictions/tiny?token={QUERY_SECRET}",
+        json=ROW,
         headers={**KEY, "X-Request-Id": "client-id-1"},
-    )  # fmt: skip
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "client-id-1"
     line = line_for(access, "client-id-1")
@@ -116,9 +125,13 @@ def test_a_request_without_an_id_gets_one_and_the_worker_sees_it(
     logged: tuple[ServerProcess, Path],
 ) -> None:
     server, access = logged
-    r = httpx.post(f"{server.url}/v2/models/tiny/infer", headers=KEY, json={
-        "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": ROW}],
-    })  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/v2/models/tiny/infer",
+        headers=KEY,
+        json={
+            "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": ROW}],
+        },
+    )
     assert r.status_code == 200, r.text
     made = r.headers["x-request-id"]
     assert len(made) >= 8
@@ -157,12 +170,16 @@ def test_grpc_calls_are_logged_with_their_id(logged: tuple[ServerProcess, Path])
     ok = line_for(access, "grpc-id-1")
     assert ok["method"] == "gRPC" and ok["path"] == "/inference.GRPCInferenceService/ModelInfer"
     assert (ok["model"], ok["version"], ok["status"], ok["protocol"]) == (
-        "tiny", "1.0", "OK", "grpc",
-    )  # fmt: skip
+        "tiny",
+        "1.0",
+        "OK",
+        "grpc",
+    )
     assert ok["bytes"] > 40 and ok["client"].startswith("127.0.0.1:")
     assert (line_for(access, "grpc-id-2")["status"], line_for(access, "grpc-id-2")["model"]) == (
-        "NOT_FOUND", "nope",
-    )  # fmt: skip
+        "NOT_FOUND",
+        "nope",
+    )
     assert line_for(access, "grpc-id-3")["status"] == "UNAUTHENTICATED"
 
 

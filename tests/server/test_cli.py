@@ -296,9 +296,15 @@ def test_flags_given_win_over_file_and_environment_and_flags_left_out_do_not(
     s = serve_settings("--config", str(config))
     assert (s.queue_size, s.max_batch_size, s.enable_model_api, s.docs) == (10, 16, True, False)
     s = serve_settings(
-        "--config", str(config), "--queue-size", "30", "--max-batch-size", "4",
-        "--no-enable-model-api", "--docs",
-    )  # fmt: skip
+        "--config",
+        str(config),
+        "--queue-size",
+        "30",
+        "--max-batch-size",
+        "4",
+        "--no-enable-model-api",
+        "--docs",
+    )
     assert (s.queue_size, s.max_batch_size, s.enable_model_api, s.docs) == (30, 4, False, True)
 
 
@@ -345,11 +351,21 @@ def test_serve_refuses_a_model_store_that_is_not_a_directory_before_binding_a_po
         taken.listen()
         done = subprocess.run(
             [
-                sys.executable, "-m", "scriptserve", "serve", "--model-store", str(store),
-                "--inference-address", f"127.0.0.1:{taken.getsockname()[1]}",
+                sys.executable,
+                "-m",
+                "scriptserve",
+                "serve",
+                "--model-store",
+                str(store),
+                "--inference-address",
+                f"127.0.0.1:{taken.getsockname()[1]}",
             ],
-            capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=tmp_path,
+        )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()

@@ -110,9 +110,10 @@ def test_a_process_worker_reports_its_own_cpu_and_memory(server: ServerProcess) 
     assert value(found, "scriptserve_worker_resident_memory_bytes", **worker) > 20e6
     assert value(found, "scriptserve_worker_cpu_seconds_total", **worker) > 0
     # Thread workers live in the server process: they have no figures of their own.
-    assert ("scriptserve_worker_resident_memory_bytes", frozenset(
-        {"model": "slow", "version": "1.0", "worker": "1"}.items()
-    )) not in found  # fmt: skip
+    assert (
+        "scriptserve_worker_resident_memory_bytes",
+        frozenset({"model": "slow", "version": "1.0", "worker": "1"}.items()),
+    ) not in found
 
 
 def test_process_usage_reads_proc_as_psutil_does() -> None:
@@ -129,9 +130,10 @@ def test_process_usage_reads_proc_as_psutil_does() -> None:
 def test_gpu_memory_is_reported_per_device() -> None:
     held = torch.ones(1024, 1024, device="cuda:0")  # 4 MiB of tensors
     families = {f.name: f for f in GpuCollector().collect()}
-    allocated = {s.labels["device"]: s.value for s in families[
-        "scriptserve_gpu_memory_allocated_bytes"
-    ].samples}  # fmt: skip
+    allocated = {
+        s.labels["device"]: s.value
+        for s in families["scriptserve_gpu_memory_allocated_bytes"].samples
+    }
     assert allocated["cuda:0"] >= held.numel() * 4
     reserved = families["scriptserve_gpu_memory_reserved_bytes"].samples
     assert reserved[0].value >= allocated["cuda:0"]

@@ -336,8 +336,10 @@ def test_errors(
         assert set(doc) == {"error"}
         message = doc["error"]
     else:
-        assert (doc["code"], doc["type"]) == (status, "ModelNotFound" if status == 404 else
-                                              "InvalidInput")  # fmt: skip
+        assert (doc["code"], doc["type"]) == (
+            status,
+            "ModelNotFound" if status == 404 else "InvalidInput",
+        )
         message = doc["message"]
     for word in words:
         assert word in message

@@ -84,10 +84,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ):
         _archive(store, work, name, model, handler)
     proc = ServerProcess(
-        store, "--workers", "1", "--queue-size", str(QUEUE_SIZE),
-        "--max-request-bytes", str(MAX_BODY),
+        store,
+        "--workers",
+        "1",
+        "--queue-size",
+        str(QUEUE_SIZE),
+        "--max-request-bytes",
+        str(MAX_BODY),
         env={"SCRIPTSERVE_INFERENCE_KEY": INFERENCE_KEY},
-    ).start()  # fmt: skip
+    ).start()
     yield proc
     proc.stop()
 
@@ -129,8 +134,12 @@ def kserve_client(server: ServerProcess, *calls: tuple[str, dict[str, Any]]) -> 
     the kserve package's v1 REST client: its result, or the status and message it raised."""
     done = subprocess.run(
         [sys.executable, "-c", KSERVE_CLIENT, server.url, INFERENCE_KEY],
-        input=json.dumps(calls), capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        input=json.dumps(calls),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     answers: list[Any] = json.loads(done.stdout)
     return answers
@@ -161,9 +170,11 @@ def test_explain_is_501_unless_the_handler_explains(server: ServerProcess) -> No
     data = {"instances": x.tolist()}
     refused, native, ts = kserve_client(
         server,
-        *(("explain", {"model_name": model, "data": data})
-          for model in ("tiny", "explainer", "ts_explainer")),
-    )  # fmt: skip
+        *(
+            ("explain", {"model_name": model, "data": data})
+            for model in ("tiny", "explainer", "ts_explainer")
+        ),
+    )
     assert refused["status"] == 501
     # The client reads KServe's error shape: the server's message is in its exception.
     message = "model 'tiny' has no explanations (its handler does not implement them)"
@@ -226,8 +237,9 @@ BAD_BODIES: list[tuple[str, bytes, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("body", "message"), [c[1:] for c in BAD_BODIES],
-                         ids=[c[0] for c in BAD_BODIES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "message"), [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES]
+)
 def test_bad_input_is_400_in_kserve_error_shape(
     server: ServerProcess, body: bytes, message: str
 ) -> None:

@@ -36,9 +36,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ]  # fmt: skip
     assert model_archiver_main(argv) == 0
     proc = ServerProcess(
-        root / "store", "--workers", "1", "--max-batch-size", str(MAX_BATCH),
-        "--max-batch-delay", "0", "--enable-model-api",
-    ).start()  # fmt: skip
+        root / "store",
+        "--workers",
+        "1",
+        "--max-batch-size",
+        str(MAX_BATCH),
+        "--max-batch-delay",
+        "0",
+        "--enable-model-api",
+    ).start()
     yield proc
     proc.stop()
 

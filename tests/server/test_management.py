@@ -140,8 +140,10 @@ def test_asynchronous_registration(server: ServerProcess) -> None:
     np.testing.assert_allclose(predict(server, "tiny_async"), EXPECTED, atol=1e-5)
     (desc,) = describe(server, "tiny_async")
     assert (desc["modelName"], desc["modelUrl"], desc["state"]) == (
-        "tiny_async", "tiny_copy.mar", "READY",
-    )  # fmt: skip
+        "tiny_async",
+        "tiny_copy.mar",
+        "READY",
+    )
     assert desc["loadedAtStartup"] is False
     r = httpx.delete(f"{server.mgmt}/models/tiny_async", headers=server.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
@@ -275,8 +277,10 @@ def test_scale_up_and_down(server: ServerProcess) -> None:
 def test_describe(server: ServerProcess) -> None:
     (desc,) = describe(server, "tiny")
     assert (desc["modelName"], desc["modelVersion"], desc["modelUrl"]) == (
-        "tiny", "1.0", "tiny.mar",
-    )  # fmt: skip
+        "tiny",
+        "1.0",
+        "tiny.mar",
+    )
     assert (desc["modelFormat"], desc["state"], desc["isDefault"]) == ("torchscript", "READY", True)
     assert (desc["batchSize"], desc["maxBatchDelay"], desc["loadedAtStartup"]) == (32, 0.0, True)
     assert desc["jobQueueStatus"] == {

@@ -205,9 +205,12 @@ def test_a_pinned_model_stays_and_a_full_budget_answers_503(
     )
     budget = budget_for(sizes, 2.5)
     proc = ServerProcess(
-        store, *LAZY, "--memory-budget", budget,
+        store,
+        *LAZY,
+        "--memory-budget",
+        budget,
         env={"SCRIPTSERVE_CONFIG_FILE": str(config)},
-    )  # fmt: skip
+    )
     proc.start()
     try:
         with httpx.Client(timeout=60) as client:

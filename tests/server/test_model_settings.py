@@ -76,9 +76,14 @@ def test_archive_config_overrides_the_server_and_registration_overrides_both() -
     }  # fmt: skip
     m = ModelSettings.resolve(server_settings(), archive)
     assert m == ModelSettings(
-        batch_size=8, max_batch_delay_ms=50.0, workers=3, response_timeout_s=10.0, queue_size=7,
-        max_workers=9, device_type="cpu",
-    )  # fmt: skip
+        batch_size=8,
+        max_batch_delay_ms=50.0,
+        workers=3,
+        response_timeout_s=10.0,
+        queue_size=7,
+        max_workers=9,
+        device_type="cpu",
+    )
     m = ModelSettings.resolve(
         server_settings(), archive, {"batch_size": 4, "workers": None, "queue_size": 99}
     )

@@ -105,11 +105,20 @@ def bucket_server(
     extra/ and big/ is allowed; downloads are bounded to 64 KiB."""
     work = tmp_path_factory.mktemp("bucket-store")
     proc = ServerProcess(
-        work / "unused", "--model-store", f"s3://{bucket}/prod/",
-        "--model-store-cache", str(work / "cache"), "--enable-model-api", "--workers", "1",
-        "--allowed-urls", f"s3://{bucket}/(extra|big)/.*", "--download-max-bytes", str(64 << 10),
+        work / "unused",
+        "--model-store",
+        f"s3://{bucket}/prod/",
+        "--model-store-cache",
+        str(work / "cache"),
+        "--enable-model-api",
+        "--workers",
+        "1",
+        "--allowed-urls",
+        f"s3://{bucket}/(extra|big)/.*",
+        "--download-max-bytes",
+        str(64 << 10),
         env=s3,
-    )  # fmt: skip
+    )
     proc.start()
     yield proc
     proc.stop()
@@ -166,9 +175,15 @@ def test_credentials_never_reach_the_log(bucket_server: ServerProcess) -> None:
 def test_downloads_are_bounded_in_time(s3: dict[str, str], bucket: str, tmp_path: Path) -> None:
     """A store whose download cannot finish in time stops the start with what to change."""
     proc = ServerProcess(
-        tmp_path / "unused", "--model-store", f"s3://{bucket}/prod",
-        "--model-store-cache", str(tmp_path / "cache"), "--download-timeout-s", "0.001", env=s3,
-    )  # fmt: skip
+        tmp_path / "unused",
+        "--model-store",
+        f"s3://{bucket}/prod",
+        "--model-store-cache",
+        str(tmp_path / "cache"),
+        "--download-timeout-s",
+        "0.001",
+        env=s3,
+    )
     with pytest.raises(RuntimeError, match="exited 2"):
         proc.start()
     assert "took longer than 0.001 s" in proc.output()

@@ -36,9 +36,18 @@ def server(model_store: Path) -> Iterator[ServerProcess]:
     store, for the repository's load and unload."""
     shutil.copy(model_store / "tiny.mar", model_store / "spare.mar")
     proc = ServerProcess(
-        model_store, "--enable-model-api", "--workers", "1", "--models", "tiny.mar",
-        "tiny_onnx.mar", "--max-batch-size", str(MAX_BATCH), "--max-batch-delay", str(DELAY_MS),
-    ).start()  # fmt: skip
+        model_store,
+        "--enable-model-api",
+        "--workers",
+        "1",
+        "--models",
+        "tiny.mar",
+        "tiny_onnx.mar",
+        "--max-batch-size",
+        str(MAX_BATCH),
+        "--max-batch-delay",
+        str(DELAY_MS),
+    ).start()
     yield proc
     proc.stop()
 

@@ -220,11 +220,21 @@ def test_a_pipeline_request_is_one_access_line_and_one_span_tree(
     receiver = GrpcReceiver()
     access = tmp_path / "access.log"
     proc = ServerProcess(
-        store, "--workers", "1", "--no-snapshot",
-        "--access-log", str(access), "--access-log-format", "json",
-        "--tracing", "--tracing-endpoint", receiver.endpoint, "--tracing-protocol", "grpc",
+        store,
+        "--workers",
+        "1",
+        "--no-snapshot",
+        "--access-log",
+        str(access),
+        "--access-log-format",
+        "json",
+        "--tracing",
+        "--tracing-endpoint",
+        receiver.endpoint,
+        "--tracing-protocol",
+        "grpc",
         env={"OTEL_BSP_SCHEDULE_DELAY": "50"},
-    ).start()  # fmt: skip
+    ).start()
     try:
         trace_id = secrets.token_hex(16)
         headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01", "X-Request-Id": "p1"}

@@ -64,9 +64,14 @@ def _onnx(path: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            MLP().eval(), (torch.zeros(1, 64),), str(path), input_names=["x"],
-            output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False,
-        )  # fmt: skip
+            MLP().eval(),
+            (torch.zeros(1, 64),),
+            str(path),
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+            dynamo=False,
+        )
     return path
 
 
@@ -120,9 +125,14 @@ def start(store: Path) -> ServerProcess:
     models = [f"{m}={m}.mar" for m in STARTUP]
     cache = store.parent / "cache"
     return ServerProcess(
-        store, "--enable-model-api", "--workers", "1", "--models", *models,
+        store,
+        "--enable-model-api",
+        "--workers",
+        "1",
+        "--models",
+        *models,
         env={"SCRIPTSERVE_QUANTIZE_CACHE_DIR": str(cache)},
-    ).start(timeout_s=180)  # fmt: skip
+    ).start(timeout_s=180)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +143,11 @@ def server(store: Path) -> Iterator[ServerProcess]:
 
 
 def infer(server: ServerProcess, model: str, x: np.ndarray = X) -> np.ndarray:
-    body = {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                        "data": x.ravel().tolist()}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
     r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=60)
     assert r.status_code == 200, r.text
     out = r.json()["outputs"][0]
@@ -148,8 +161,9 @@ def describe(server: ServerProcess, model: str) -> dict[str, Any]:
 
 
 # -- outputs ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("at_load", "at_archive"), [("mlp", "mlp_int8"),
-                                                    ("mlp_onnx", "mlp_onnx_int8")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("at_load", "at_archive"), [("mlp", "mlp_int8"), ("mlp_onnx", "mlp_onnx_int8")]
+)
 def test_load_time_int8_matches_archive_time_and_fp32(
     server: ServerProcess, at_load: str, at_archive: str
 ) -> None:
@@ -204,8 +218,9 @@ def test_grpc_metadata_and_describe(server: ServerProcess) -> None:
 # -- registration ------------------------------------------------------------------------------
 def register(server: ServerProcess, url: str, name: str, **params: str) -> httpx.Response:
     query = {"url": url, "model_name": name, "initial_workers": "1", **params}
-    return httpx.post(f"{server.mgmt}/models", params=query, headers=server.mgmt_headers,
-                      timeout=180)  # fmt: skip
+    return httpx.post(
+        f"{server.mgmt}/models", params=query, headers=server.mgmt_headers, timeout=180
+    )
 
 
 def unregister(server: ServerProcess, name: str) -> None:

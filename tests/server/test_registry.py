@@ -84,8 +84,13 @@ def gated_archive(root: Path, name: str, **config: object) -> tuple[Path, Path]:
     handler = root / "gated_handler.py"
     handler.write_text(GATED)
     gate = root / f"{name}.gate"
-    return archive(root / "store", root / "work", name, handler=str(handler),
-                   config={"gate": str(gate), **config}), gate  # fmt: skip
+    return archive(
+        root / "store",
+        root / "work",
+        name,
+        handler=str(handler),
+        config={"gate": str(gate), **config},
+    ), gate
 
 
 def request(first: float = 0.0, seed: int = 0) -> InferenceRequest:

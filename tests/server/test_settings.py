@@ -47,8 +47,11 @@ def test_yaml_then_environment_then_command_line_win(
     )
     s = load_settings(config)
     assert (s.queue_size, s.max_batch_size, s.max_batch_delay_ms, s.response_timeout_s) == (
-        10, 8, 5.0, 7.0,
-    )  # fmt: skip
+        10,
+        8,
+        5.0,
+        7.0,
+    )
     assert s.metrics_address == "127.0.0.1:8082"  # not in the file: the default
 
     monkeypatch.setenv("SCRIPTSERVE_QUEUE_SIZE", "20")

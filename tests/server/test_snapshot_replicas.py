@@ -30,12 +30,14 @@ def replica(
     return ServerProcess(
         store,
         "--enable-model-api",
-        "--workers", "1",
+        "--workers",
+        "1",
         "--no-warmup",
-        "--snapshot-dir", str(snapshots),
+        "--snapshot-dir",
+        str(snapshots),
         *args,
         env=env,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -173,8 +175,17 @@ def test_declarative_mode_records_nothing_and_restarts_from_the_config(
     snapshots = tmp_path / "snapshots"
     snapshots.mkdir()
     # What an earlier per-replica run (and an older version) left: ignored in this mode.
-    earlier = {"models": [{"name": "ghost", "version": "1.0", "source": "tiny.mar",
-                           "default": True, "settings": {}}]}  # fmt: skip
+    earlier = {
+        "models": [
+            {
+                "name": "ghost",
+                "version": "1.0",
+                "source": "tiny.mar",
+                "default": True,
+                "settings": {},
+            }
+        ]
+    }
     for name in ("models-decl.json", "models.json"):
         (snapshots / name).write_text(json.dumps(earlier))
     before = {p.name: p.read_bytes() for p in snapshots.iterdir()}
@@ -203,8 +214,17 @@ def test_the_legacy_snapshot_is_taken_over_once_by_one_replica(
 ) -> None:
     snapshots = tmp_path / "snapshots"
     snapshots.mkdir()
-    legacy = {"models": [{"name": "kept", "version": "1.0", "source": "tiny.mar",
-                          "default": True, "settings": {"batch_size": 4}}]}  # fmt: skip
+    legacy = {
+        "models": [
+            {
+                "name": "kept",
+                "version": "1.0",
+                "source": "tiny.mar",
+                "default": True,
+                "settings": {"batch_size": 4},
+            }
+        ]
+    }
     (snapshots / "models.json").write_text(json.dumps(legacy))
 
     def replicas() -> dict[str, ServerProcess]:

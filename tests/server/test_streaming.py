@@ -172,9 +172,11 @@ def test_the_deadline_covers_the_whole_stream(server: ServerProcess, lm: TinyLM)
     body = {"text_input": "the quick", "parameters": {"max_tokens": 60}}
     started = time.perf_counter()
     r = httpx.post(
-        f"{server.url}/v2/models/slowlm/generate_stream", json=body,
-        headers={"X-Request-Timeout": "0.5"}, timeout=30,
-    )  # fmt: skip
+        f"{server.url}/v2/models/slowlm/generate_stream",
+        json=body,
+        headers={"X-Request-Timeout": "0.5"},
+        timeout=30,
+    )
     elapsed = time.perf_counter() - started
     assert r.status_code == 200
     parts = events(r.text)

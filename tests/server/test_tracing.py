@@ -60,10 +60,20 @@ def receiver() -> Iterator[GrpcReceiver]:
 def traced(store: Path, receiver: GrpcReceiver) -> Iterator[ServerProcess]:
     """Tracing every request over OTLP/gRPC; one worker that gathers batches for 100 ms."""
     proc = ServerProcess(
-        store, "--workers", "1", "--max-batch-delay", "100", "--tracing",
-        "--tracing-endpoint", receiver.endpoint, "--tracing-protocol", "grpc",
-        "--tracing-service-name", "scriptserve-test", env=FAST_EXPORT,
-    ).start()  # fmt: skip
+        store,
+        "--workers",
+        "1",
+        "--max-batch-delay",
+        "100",
+        "--tracing",
+        "--tracing-endpoint",
+        receiver.endpoint,
+        "--tracing-protocol",
+        "grpc",
+        "--tracing-service-name",
+        "scriptserve-test",
+        env=FAST_EXPORT,
+    ).start()
     yield proc
     proc.stop()
 
@@ -274,9 +284,18 @@ def test_the_sampling_ratio_samples_roots_and_follows_clients(store: Path) -> No
     client's sampled parent is followed whatever the ratio."""
     receiver = GrpcReceiver()
     proc = ServerProcess(
-        store, "--workers", "1", "--tracing", "--tracing-endpoint", receiver.endpoint,
-        "--tracing-protocol", "grpc", "--tracing-sampling-ratio", "0.25", env=FAST_EXPORT,
-    ).start()  # fmt: skip
+        store,
+        "--workers",
+        "1",
+        "--tracing",
+        "--tracing-endpoint",
+        receiver.endpoint,
+        "--tracing-protocol",
+        "grpc",
+        "--tracing-sampling-ratio",
+        "0.25",
+        env=FAST_EXPORT,
+    ).start()
     try:
         with httpx.Client() as client:
             roots = [

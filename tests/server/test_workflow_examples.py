@@ -141,10 +141,24 @@ def translate(text: str, source: str, target: str) -> str:
 
 def workflow_archiver(src: Path, out: Path, name: str, spec: Path, handler: Path) -> None:
     done = subprocess.run(
-        ["torch-workflow-archiver", "--workflow-name", name, "--spec-file", str(spec),
-         "--handler", str(handler), "--export-path", str(out), "-f"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=src,
-    )  # fmt: skip
+        [
+            "torch-workflow-archiver",
+            "--workflow-name",
+            name,
+            "--spec-file",
+            str(spec),
+            "--handler",
+            str(handler),
+            "--export-path",
+            str(out),
+            "-f",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=src,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -163,19 +177,32 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.jit.script(CatDog()).save(str(src / "cat_dog.pt"))
     torch.jit.script(Breed()).save(str(src / "breed.pt"))
     torch_model_archiver(
-        src, store, "cat_dog_classification",
-        "--serialized-file", "cat_dog.pt", "--handler", "cat_dog_classification_handler.py",
-    )  # fmt: skip
+        src,
+        store,
+        "cat_dog_classification",
+        "--serialized-file",
+        "cat_dog.pt",
+        "--handler",
+        "cat_dog_classification_handler.py",
+    )
     torch_model_archiver(
-        src, store, "dog_breed_classification",
-        "--serialized-file", "breed.pt", "--handler", "dog_breed_classification_handler.py",
-        "--extra-files", "index_to_name.json",
-    )  # fmt: skip
+        src,
+        store,
+        "dog_breed_classification",
+        "--serialized-file",
+        "breed.pt",
+        "--handler",
+        "dog_breed_classification_handler.py",
+        "--extra-files",
+        "index_to_name.json",
+    )
     workflow_archiver(
-        src, store, "dog_breed_wf",
+        src,
+        store,
+        "dog_breed_wf",
         DOG_BREED / "workflow_dog_breed_classification.yaml",
         DOG_BREED / "workflow_dog_breed_classification_handler.py",
-    )  # fmt: skip
+    )
 
     write(src / "translator.py", TRANSLATOR)
     torch.jit.script(Lookup(len(WORDS["en"]))).save(str(src / "lookup.pt"))
@@ -187,20 +214,30 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         table = {"source": WORDS[source], "target": WORDS[target], "key": key}
         (src / "translation.json").write_text(json.dumps(table))
         torch_model_archiver(
-            src, store, archive,
-            "--serialized-file", "lookup.pt", "--handler", "translator.py",
-            "--extra-files", "translation.json",
-        )  # fmt: skip
+            src,
+            store,
+            archive,
+            "--serialized-file",
+            "lookup.pt",
+            "--handler",
+            "translator.py",
+            "--extra-files",
+            "translation.json",
+        )
     workflow_archiver(
-        src, store, "nmt_wf_dual",
+        src,
+        store,
+        "nmt_wf_dual",
         NMT / "nmt_workflow_dualtranslation.yaml",
         NMT / "nmt_workflow_handler_dualtranslation.py",
-    )  # fmt: skip
+    )
     workflow_archiver(
-        src, store, "nmt_wf_re",
+        src,
+        store,
+        "nmt_wf_re",
         NMT / "nmt_workflow_retranslation.yaml",
         NMT / "nmt_workflow_handler_retranslation.py",
-    )  # fmt: skip
+    )
     return store
 
 

@@ -165,10 +165,24 @@ class Affine(nn.Module):
 def workflow_archiver(src: Path, out: Path, name: str, spec: str) -> Path:
     write(src / f"{name}.yaml", spec)
     done = subprocess.run(
-        ["torch-workflow-archiver", "--workflow-name", name, "--spec-file", f"{name}.yaml",
-         "--handler", "workflow_handler.py", "--export-path", str(out), "-f"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=src,
-    )  # fmt: skip
+        [
+            "torch-workflow-archiver",
+            "--workflow-name",
+            name,
+            "--spec-file",
+            f"{name}.yaml",
+            "--handler",
+            "workflow_handler.py",
+            "--export-path",
+            str(out),
+            "-f",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=src,
+    )
     assert done.returncode == 0, done.stderr
     return out / f"{name}.war"
 

@@ -70,8 +70,9 @@ def test_vision_models_answer_jpegs_over_rest_and_grpc(server: ServerProcess, mo
     images = [jpeg(0), jpeg(1)]
     expected = handled(server.store / f"{model}.mar", *images)
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        rest = client.post(f"/predictions/{model}", content=images[0],
-                           headers={"Content-Type": "image/jpeg"})  # fmt: skip
+        rest = client.post(
+            f"/predictions/{model}", content=images[0], headers={"Content-Type": "image/jpeg"}
+        )
     grpc = triton_grpc.InferenceServerClient(server.grpc)
     tensor = triton_grpc.InferInput("pixel_values", [2], "BYTES")
     tensor.set_data_from_numpy(np.array(images, dtype=object))
@@ -148,8 +149,9 @@ def test_embeddings_of_token_ids_and_fewer_dimensions(server: ServerProcess) -> 
     assert tokens.status_code == 200, tokens.text
     assert short.status_code == 200, short.text
     first = np.array(vector[:8])
-    np.testing.assert_allclose(short.json()["data"][0]["embedding"], first / np.linalg.norm(first),
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        short.json()["data"][0]["embedding"], first / np.linalg.norm(first), atol=1e-6
+    )
     assert tokens.json()["usage"]["prompt_tokens"] == 3
 
 

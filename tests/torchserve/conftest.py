@@ -36,15 +36,33 @@ def ts_store(ts_sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     common = ("--serialized-file", "tiny.pt")
     torch_model_archiver(ts_sources, store, "builtin", *common, "--handler", "base_handler")
     torch_model_archiver(
-        ts_sources, store, "scores", *common, "--handler", "scores_handler.py",
-        "--config-file", "batch.yaml",
-    )  # fmt: skip
+        ts_sources,
+        store,
+        "scores",
+        *common,
+        "--handler",
+        "scores_handler.py",
+        "--config-file",
+        "batch.yaml",
+    )
     torch_model_archiver(
-        ts_sources, store, "function", *common, "--handler", "fn_handler.py",
-        "--config-file", "batch.yaml",
-    )  # fmt: skip
+        ts_sources,
+        store,
+        "function",
+        *common,
+        "--handler",
+        "fn_handler.py",
+        "--config-file",
+        "batch.yaml",
+    )
     torch_model_archiver(
-        ts_sources, store, "entry", *common, "--handler", "entry_handler:predict",
-        "--config-file", "batch.yaml",
-    )  # fmt: skip
+        ts_sources,
+        store,
+        "entry",
+        *common,
+        "--handler",
+        "entry_handler:predict",
+        "--config-file",
+        "batch.yaml",
+    )
     return store

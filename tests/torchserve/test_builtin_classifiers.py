@@ -70,9 +70,16 @@ def test_image_classifier_returns_the_top_five_labels(tmp_path: Path) -> None:
         json.dumps({str(i): ["n0000", name] for i, name in enumerate(LABELS)})
     )
     archive = torch_model_archiver(
-        tmp_path, tmp_path, "img", "--serialized-file", "img.pt",
-        "--handler", "image_classifier", "--extra-files", "index_to_name.json",
-    )  # fmt: skip
+        tmp_path,
+        tmp_path,
+        "img",
+        "--serialized-file",
+        "img.pt",
+        "--handler",
+        "image_classifier",
+        "--extra-files",
+        "index_to_name.json",
+    )
     colors = [(200, 30, 90), (10, 250, 120)]
     requests = [
         InferenceRequest(fields={"data": png(c, (320, 240))}, body=png(c, (320, 240)))
@@ -111,9 +118,16 @@ def test_text_classifier_scores_every_class(tmp_path: Path) -> None:
     torch.save(vocab, tmp_path / "source_vocab.pt")
     (tmp_path / "index_to_name.json").write_text(json.dumps({"0": "neg", "1": "neu", "2": "pos"}))
     archive = torch_model_archiver(
-        tmp_path, tmp_path, "text", "--serialized-file", "text.pt", "--handler",
-        "text_classifier", "--extra-files", "source_vocab.pt,index_to_name.json",
-    )  # fmt: skip
+        tmp_path,
+        tmp_path,
+        "text",
+        "--serialized-file",
+        "text.pt",
+        "--handler",
+        "text_classifier",
+        "--extra-files",
+        "source_vocab.pt,index_to_name.json",
+    )
     (body,) = run(
         archive, [InferenceRequest(body=b"It isn't <b>good</b>!", content_type="text/plain")]
     )
@@ -129,9 +143,16 @@ def test_text_classifier_refuses_a_pickled_vocabulary(tmp_path: Path) -> None:
     script(BagClassifier(), tmp_path / "text.pt")
     torch.save({"stoi": Path("x")}, tmp_path / "source_vocab.pt")
     archive = torch_model_archiver(
-        tmp_path, tmp_path, "text2", "--serialized-file", "text.pt", "--handler",
-        "text_classifier", "--extra-files", "source_vocab.pt",
-    )  # fmt: skip
+        tmp_path,
+        tmp_path,
+        "text2",
+        "--serialized-file",
+        "text.pt",
+        "--handler",
+        "text_classifier",
+        "--extra-files",
+        "source_vocab.pt",
+    )
     with open_archive(archive) as reader, pytest.raises(HandlerError) as info:
         load_handler(Context("text2", "1.0", reader.root, reader.manifest))
     assert "torch.save(dict(vocab.get_stoi()), 'source_vocab.pt')" in info.value.message

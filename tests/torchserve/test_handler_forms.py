@@ -24,9 +24,13 @@ def loaded(archive: Path) -> Iterator[tuple[BaseHandler, Context]]:
     with open_archive(archive) as reader:
         m = reader.manifest
         context = Context(
-            m.model.model_name, m.model.model_version, reader.root, m,
-            read_model_config(reader.root, m), batch_size=8,
-        )  # fmt: skip
+            m.model.model_name,
+            m.model.model_version,
+            reader.root,
+            m,
+            read_model_config(reader.root, m),
+            batch_size=8,
+        )
         yield load_handler(context), context
 
 
@@ -92,9 +96,14 @@ def test_a_result_list_of_the_wrong_length_fails_every_request(
     ts_sources: Path, tmp_path: Path
 ) -> None:
     archive = torch_model_archiver(
-        ts_sources, tmp_path, "short", "--serialized-file", "tiny.pt",
-        "--handler", "mismatch_handler.py",
-    )  # fmt: skip
+        ts_sources,
+        tmp_path,
+        "short",
+        "--serialized-file",
+        "tiny.pt",
+        "--handler",
+        "mismatch_handler.py",
+    )
     with loaded(archive) as (handler, context), pytest.raises(HandlerError) as info:
         handler.handle(json_requests(3), context)
     assert info.value.message == (
@@ -106,7 +115,9 @@ def test_a_result_list_of_the_wrong_length_fails_every_request(
 def test_eager_model_file_loads_a_state_dict_weights_only(ts_sources: Path, tmp_path: Path) -> None:
     src = tmp_path / "eager"
     src.mkdir()
-    write(src / "model.py", """
+    write(
+        src / "model.py",
+        """
         import torch
         from torch import nn
 
@@ -119,7 +130,8 @@ def test_eager_model_file_loads_a_state_dict_weights_only(ts_sources: Path, tmp_
 
             def forward(self, x):
                 return self.fc2(torch.relu(self.fc1(x)))
-    """)  # fmt: skip
+    """,
+    )
     torch.save(TinyMLP().state_dict(), src / "weights.pth")
     torch.save(TinyMLP(), src / "pickled.pth")
     common = ("--model-file", "model.py", "--handler", "base_handler")

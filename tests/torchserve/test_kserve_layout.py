@@ -132,10 +132,14 @@ def serve(root: Path, envelope: str) -> ServerProcess:
     shared = f"127.0.0.1:{free_port()}"
     proc = ServerProcess(
         root / "model-store",
-        "--ts-config", str(root / "config" / "config.properties"),
-        "--inference-address", shared, "--management-address", shared,
+        "--ts-config",
+        str(root / "config" / "config.properties"),
+        "--inference-address",
+        shared,
+        "--management-address",
+        shared,
         env={"TS_SERVICE_ENVELOPE": envelope},
-    )  # fmt: skip
+    )
     proc.url = proc.mgmt = f"http://{shared}"
     return proc.start()
 
@@ -152,9 +156,15 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProces
         json.dumps({str(i): ["n0000", name] for i, name in enumerate(LABELS)})
     )
     kserve_layout(
-        root, KSERVE_V1_CONFIG, "--serialized-file", "img.pt", "--handler", "image_classifier",
-        "--extra-files", "index_to_name.json",
-    )  # fmt: skip
+        root,
+        KSERVE_V1_CONFIG,
+        "--serialized-file",
+        "img.pt",
+        "--handler",
+        "image_classifier",
+        "--extra-files",
+        "index_to_name.json",
+    )
     proc = serve(root, "kserve")
     yield proc
     proc.stop()
@@ -226,9 +236,16 @@ def test_the_snapshot_maps_to_models_their_settings_and_default_versions() -> No
     config = map_properties(parse_properties(KSERVE_V1_CONFIG))
     assert config.settings["models"] == ["mnist=mnist.mar"]
     assert config.settings["model_defaults"] == {
-        "mnist": {"1.0": {"minWorkers": 1, "maxWorkers": 5, "batchSize": 1,
-                          "maxBatchDelay": 5000, "responseTimeout": 120}},
-    }  # fmt: skip
+        "mnist": {
+            "1.0": {
+                "minWorkers": 1,
+                "maxWorkers": 5,
+                "batchSize": 1,
+                "maxBatchDelay": 5000,
+                "responseTimeout": 120,
+            }
+        },
+    }
     assert config.settings["default_versions"] == {"mnist": "1.0"}
     assert "model_snapshot" not in config.ignored and "enable_envvars_config" not in config.ignored
     # load_models gives way to the snapshot, as in TorchServe.

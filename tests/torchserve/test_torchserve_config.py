@@ -26,21 +26,26 @@ from scriptserve.server.settings import SettingsError, load_settings
 
 def properties(server: ServerProcess, store: Path, models: dict[str, object]) -> str:
     host = "127.0.0.1"
-    return "\n".join([
-        "# TorchServe config",
-        f"inference_address=http://{host}:{server.ports[0]}",
-        f"management_address=http://{host}:{server.ports[1]}",
-        f"metrics_address=http://{host}:{server.ports[2]}",
-        f"grpc_inference_port={server.ports[3]}",
-        f"grpc_management_port={server.ports[4]}",
-        f"model_store={store}",
-        "load_models=scores.mar,builtin.mar",
-        "models=" + json.dumps(models),
-        "default_workers_per_model=1",
-        "job_queue_size=50",
-        "number_of_netty_threads=4",
-        "metrics_mode=prometheus",
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n".join(
+            [
+                "# TorchServe config",
+                f"inference_address=http://{host}:{server.ports[0]}",
+                f"management_address=http://{host}:{server.ports[1]}",
+                f"metrics_address=http://{host}:{server.ports[2]}",
+                f"grpc_inference_port={server.ports[3]}",
+                f"grpc_management_port={server.ports[4]}",
+                f"model_store={store}",
+                "load_models=scores.mar,builtin.mar",
+                "models=" + json.dumps(models),
+                "default_workers_per_model=1",
+                "job_queue_size=50",
+                "number_of_netty_threads=4",
+                "metrics_mode=prometheus",
+            ]
+        )
+        + "\n"
+    )
 
 
 MODELS = {
@@ -59,8 +64,11 @@ def ts_server(ts_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with server.log.open("wb") as log:
         server.proc = subprocess.Popen(
             [sys.executable, "-m", "scriptserve", "serve", "--ts-config", str(config)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
     server.wait(lambda c: c.get(f"{server.url}/v2/health/ready").status_code == 200, 120)
     yield server
     server.stop()

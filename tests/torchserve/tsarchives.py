@@ -111,10 +111,22 @@ BATCH_CONFIG = "batchSize: 8\nmaxBatchDelay: 400\nminWorkers: 1\nmaxWorkers: 2\n
 
 def torch_model_archiver(src: Path, out: Path, name: str, *args: str) -> Path:
     done = subprocess.run(
-        ["torch-model-archiver", "--model-name", name, "--version", "1.0",
-         "--export-path", str(out), *args],
-        capture_output=True, text=True, timeout=120, check=False, cwd=src,
-    )  # fmt: skip
+        [
+            "torch-model-archiver",
+            "--model-name",
+            name,
+            "--version",
+            "1.0",
+            "--export-path",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=src,
+    )
     assert done.returncode == 0, done.stderr
     return out / f"{name}.mar"
 

@@ -32,8 +32,7 @@ def small_run() -> SmallRun:
     """A quick configuration: 400 training images, 2 epochs, no exports; `out` first."""
 
     def make(out: Path, **changes: object) -> TrainConfig:
-        base = {**SHORT_RUN.__dict__, "out": out, "epochs": 2, "train_limit": 400,
-                "formats": ()}  # fmt: skip
+        base = {**SHORT_RUN.__dict__, "out": out, "epochs": 2, "train_limit": 400, "formats": ()}
         return TrainConfig(**{**base, **changes})  # type: ignore[arg-type]
 
     return make

@@ -31,10 +31,18 @@ def torchrun(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[st
 
 def test_two_ranks_end_with_identical_weights(tmp_path: Path) -> None:
     proc = torchrun(
-        "--standalone", "--nproc_per_node=2", "-m", "scriptserve.training", *QUICK,
-        "--formats", "torchscript", "--out", str(tmp_path / "store"),
-        "--digest-dir", str(tmp_path / "digests"),
-    )  # fmt: skip
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "scriptserve.training",
+        *QUICK,
+        "--formats",
+        "torchscript",
+        "--out",
+        str(tmp_path / "store"),
+        "--digest-dir",
+        str(tmp_path / "digests"),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank0 = (tmp_path / "digests" / "rank0.sha256").read_text()
     rank1 = (tmp_path / "digests" / "rank1.sha256").read_text()
@@ -48,11 +56,21 @@ def test_two_ranks_end_with_identical_weights(tmp_path: Path) -> None:
 def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
     def run(out: Path, port: int, *extra: str) -> subprocess.CompletedProcess[str]:
         return torchrun(
-            "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--nnodes=1:2",
+            "--nproc_per_node=1",
+            "--max-restarts=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-conf=last_call_timeout=1",
-            "-m", "scriptserve.training", *QUICK, "--formats", "", "--out", str(out), *extra,
-        )  # fmt: skip
+            "-m",
+            "scriptserve.training",
+            *QUICK,
+            "--formats",
+            "",
+            "--out",
+            str(out),
+            *extra,
+        )
 
     ports = [free_port()]
     while len(ports) < 2:

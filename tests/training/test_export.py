@@ -42,8 +42,12 @@ def test_inputs() -> tuple[np.ndarray, np.ndarray]:
     return split.images.numpy(), split.labels.numpy()
 
 
-RUNNERS = {"pt2": run_pt2, "torchscript": run_torchscript, "traced": run_torchscript,
-           "onnx": run_onnx}  # fmt: skip
+RUNNERS = {
+    "pt2": run_pt2,
+    "torchscript": run_torchscript,
+    "traced": run_torchscript,
+    "onnx": run_onnx,
+}
 
 
 @pytest.mark.slow
@@ -53,9 +57,12 @@ RUNNERS = {"pt2": run_pt2, "torchscript": run_torchscript, "traced": run_torchsc
      ("traced", "digits-traced.mar", TORCHSCRIPT_ATOL), ("onnx", "digits-onnx.mar", ONNX_ATOL)],
 )  # fmt: skip
 def test_exported_model_matches_eager(
-    trained: Trained, test_inputs: tuple[np.ndarray, np.ndarray], fmt: str, archive: str,
+    trained: Trained,
+    test_inputs: tuple[np.ndarray, np.ndarray],
+    fmt: str,
+    archive: str,
     atol: float,
-) -> None:  # fmt: skip
+) -> None:
     config, result = trained
     inputs, labels = test_inputs
     with torch.no_grad():
@@ -76,9 +83,13 @@ def test_exported_model_matches_eager(
 def test_archives_verify_and_record_signature_samples_and_accuracy(trained: Trained) -> None:
     _, result = trained
     assert sorted(p.name for p in result.archives) == [
-        "digits-int8.mar", "digits-onnx.mar", "digits-torchscript-int8.mar",
-        "digits-torchscript.mar", "digits-traced.mar", "digits.mar",
-    ]  # fmt: skip
+        "digits-int8.mar",
+        "digits-onnx.mar",
+        "digits-torchscript-int8.mar",
+        "digits-torchscript.mar",
+        "digits-traced.mar",
+        "digits.mar",
+    ]
     for path in result.archives:
         report = verify_archive(path)
         assert report.ok, report.reason()

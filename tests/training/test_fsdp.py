@@ -194,8 +194,10 @@ def test_sharded_checkpoint_with_arbitrary_pickles_is_refused(tmp_path: Path) ->
     model_state["fc3.bias"] = MakesDirectory(marker)  # type: ignore[assignment]
     with pytest.warns(UserWarning, match="torch.distributed is disabled"):
         metadata.unlink()
-        dcp_save({"model": model_state, "optimizer": optimizer_state["state"]},
-                 checkpoint_id=metadata.parent)  # fmt: skip
+        dcp_save(
+            {"model": model_state, "optimizer": optimizer_state["state"]},
+            checkpoint_id=metadata.parent,
+        )
     with pytest.raises(CheckpointError, match=r"stores model\.fc3\.bias as pickled"):
         load_sharded(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), info)
     assert not marker.exists()
@@ -203,8 +205,9 @@ def test_sharded_checkpoint_with_arbitrary_pickles_is_refused(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_checkpoint_of_the_other_strategy_is_not_resumed(tmp_path: Path) -> None:
-    base = TrainConfig(model="mlp", epochs=1, train_limit=64, formats=(), progress=False,
-                       out=tmp_path)  # fmt: skip
+    base = TrainConfig(
+        model="mlp", epochs=1, train_limit=64, formats=(), progress=False, out=tmp_path
+    )
     train(base)  # ddp (one process): last.pt
     fsdp = TrainConfig(**{**base.__dict__, "strategy": "fsdp", "resume": True, "epochs": 2})
     with pytest.raises(ValueError, match="written by a ddp run; resume it with --strategy ddp"):
@@ -240,9 +243,16 @@ def test_fsdp_on_cuda_uses_a_mixed_precision_policy_instead_of_autocast() -> Non
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_fsdp_on_two_gpus_trains_over_nccl_in_mixed_precision(tmp_path: Path) -> None:
     run = training(
-        tmp_path / "store", *TWO_RANKS, "--strategy", "fsdp", "--device", "cuda", "--amp",
-        "--cpu-offload", ranks=2,
-    )  # fmt: skip
+        tmp_path / "store",
+        *TWO_RANKS,
+        "--strategy",
+        "fsdp",
+        "--device",
+        "cuda",
+        "--amp",
+        "--cpu-offload",
+        ranks=2,
+    )
     assert "fsdp over 2 ranks (nccl)" in run.log
     assert re.search(r"mixed precision torch\.(bfloat16|float16)", run.log)
     assert run.metrics["test_accuracy"] > 0.5  # type: ignore[operator]

@@ -80,8 +80,10 @@ def test_qat_archive_runs_int8_kernels_and_records_how_it_was_made(
     assert q.details["quantizedOps"] == kernels
     options = q.details["options"]
     assert (options["flow"], options["method"], options["quantizer"]) == (
-        "pt2e", "qat", "X86InductorQuantizer"
-    )  # fmt: skip
+        "pt2e",
+        "qat",
+        "X86InductorQuantizer",
+    )
     assert options["quantizerConfig"] == QUANTIZER_CONFIG
     assert options["compileOptions"]["freezing"] is True
     how = q.details["qat"]
@@ -128,8 +130,16 @@ def test_served_qat_archive_answers_with_its_recorded_accuracy(
     with httpx.Client(timeout=60) as client:
         for start in range(0, len(inputs), 90):
             chunk = inputs[start : start + 90]
-            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(chunk.shape),
-                                "data": chunk.reshape(-1).tolist()}]}  # fmt: skip
+            body = {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": list(chunk.shape),
+                        "data": chunk.reshape(-1).tolist(),
+                    }
+                ]
+            }
             response = client.post(f"{server.url}/v2/models/ink-int8/infer", json=body)
             assert response.status_code == 200, response.text
             (out,) = response.json()["outputs"]

@@ -85,8 +85,16 @@ def test_oip_tensors_reach_the_recorded_accuracy(trained: Trained, server: Serve
     with httpx.Client(timeout=60) as client:
         for start in range(0, len(inputs), 90):
             chunk = inputs[start : start + 90]
-            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(chunk.shape),
-                                "data": chunk.reshape(-1).tolist()}]}  # fmt: skip
+            body = {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": list(chunk.shape),
+                        "data": chunk.reshape(-1).tolist(),
+                    }
+                ]
+            }
             response = client.post(f"{server.url}/v2/models/digits/infer", json=body)
             assert response.status_code == 200, response.text
             (out,) = response.json()["outputs"]

@@ -53,8 +53,13 @@ def test_checkpoint_loads_with_weights_only(trained: tuple[TrainConfig, TrainRes
 def test_same_seed_same_weights_other_seed_differs(tmp_path: Path, small_run: SmallRun) -> None:
     digests = []
     for i, seed in enumerate((3, 3, 4)):
-        config = small_run(tmp_path / f"run{i}", seed=seed, epochs=1, train_limit=300,
-                           digest_dir=tmp_path / f"d{i}")  # fmt: skip
+        config = small_run(
+            tmp_path / f"run{i}",
+            seed=seed,
+            epochs=1,
+            train_limit=300,
+            digest_dir=tmp_path / f"d{i}",
+        )
         train(config)
         digests.append((tmp_path / f"d{i}" / "rank0.sha256").read_text())
     assert digests[0] == digests[1]
@@ -104,15 +109,23 @@ def test_adamw_mlp_streaming_with_workers_anomaly_and_profiler(
     tmp_path: Path, small_run: SmallRun
 ) -> None:
     config = small_run(
-        tmp_path, model="mlp", optimizer="adamw", lr=0.002, epochs=1, streaming=True,
-        num_workers=2, detect_anomaly=True, profile=True,
-    )  # fmt: skip
+        tmp_path,
+        model="mlp",
+        optimizer="adamw",
+        lr=0.002,
+        epochs=1,
+        streaming=True,
+        num_workers=2,
+        detect_anomaly=True,
+        profile=True,
+    )
     with pytest.warns(UserWarning, match="Anomaly Detection has been enabled"):
         result = train(config)
     assert result.history[0]["train_accuracy"] > 0.2  # chance is 0.1
     trace = json.loads((config.run_dir / "profile" / "trace.json").read_text())
-    assert any("conv" in e.get("name", "") or "addmm" in e.get("name", "")
-               for e in trace["traceEvents"])  # fmt: skip
+    assert any(
+        "conv" in e.get("name", "") or "addmm" in e.get("name", "") for e in trace["traceEvents"]
+    )
 
 
 def test_splits_are_fixed_disjoint_and_preprocessed() -> None:
@@ -170,10 +183,20 @@ def test_model_registry() -> None:
 
 def test_cli_refuses_unknown_format_before_training(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "scriptserve.training", "--formats", "torchscript,tflite",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scriptserve.training",
+            "--formats",
+            "torchscript,tflite",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 1
     assert "unknown format(s) ['tflite']" in proc.stderr
     assert not list(tmp_path.iterdir())
@@ -181,11 +204,30 @@ def test_cli_refuses_unknown_format_before_training(tmp_path: Path) -> None:
 
 def test_scriptserve_train_runs_the_training_cli(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "scriptserve", "train", "--model", "mlp", "--epochs", "1",
-         "--train-limit", "200", "--formats", "torchscript", "--name", "tiny-digits",
-         "--out", str(tmp_path), "--no-progress"],
-        capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scriptserve",
+            "train",
+            "--model",
+            "mlp",
+            "--epochs",
+            "1",
+            "--train-limit",
+            "200",
+            "--formats",
+            "torchscript",
+            "--name",
+            "tiny-digits",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "tiny-digits-torchscript.mar")
     assert "epoch 1/1" in proc.stderr

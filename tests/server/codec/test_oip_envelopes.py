@@ -297,8 +297,12 @@ def test_a_remembered_header_decodes_as_the_whole_request(
 ) -> None:
     itemsize = tensor_dtype("x", datatype).itemsize
     size = int(np.prod(shape)) * itemsize
-    tensor: dict[str, Any] = {"name": "x", "shape": shape, "datatype": datatype,
-                              "parameters": {"binary_data_size": size}}  # fmt: skip
+    tensor: dict[str, Any] = {
+        "name": "x",
+        "shape": shape,
+        "datatype": datatype,
+        "parameters": {"binary_data_size": size},
+    }
     header: dict[str, Any] = {"inputs": [tensor]}
     if data.draw(_rarely):
         header["parameters"] = data.draw(st.dictionaries(_texts, _scalars, max_size=2))
@@ -313,8 +317,16 @@ def test_a_remembered_header_decodes_as_the_whole_request(
 
 
 def test_a_header_is_remembered_and_read_again_without_its_json() -> None:
-    header = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
-                          "parameters": {"binary_data_size": 8}}]}  # fmt: skip
+    header = {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": [1, 2],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": 8},
+            }
+        ]
+    }
     body, length = _binary(header, np.array([1, 2], "<f4").tobytes())
     oip_json.decode_request(body, length, {})
     assert len(oip_json._HEADERS) == 1

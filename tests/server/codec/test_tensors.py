@@ -68,8 +68,15 @@ def test_raw_bytes_round_trip_every_numeric_datatype() -> None:
         array = (
             (np.arange(6) % 2 if dtype is np.bool_ else np.arange(6)).astype(dtype).reshape(2, 3)
         )
-        datatype = {np.bool_: "BOOL", np.uint8: "UINT8", np.int16: "INT16", np.int64: "INT64",
-                    np.float16: "FP16", np.float32: "FP32", np.float64: "FP64"}[dtype]  # fmt: skip
+        datatype = {
+            np.bool_: "BOOL",
+            np.uint8: "UINT8",
+            np.int16: "INT16",
+            np.int64: "INT64",
+            np.float16: "FP16",
+            np.float32: "FP32",
+            np.float64: "FP64",
+        }[dtype]
         back = decode_raw("x", datatype, [2, 3], encode_raw(array))
         assert back.dtype == array.dtype and np.array_equal(back, array)
 

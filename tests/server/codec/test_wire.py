@@ -19,11 +19,13 @@ def _body(doc: dict[str, object], binary: bytes = b"") -> tuple[bytes, str | Non
 
 
 def test_a_json_request_becomes_named_tensors_and_asked_outputs() -> None:
-    body, length = _body({
-        "id": "r1",
-        "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}],
-        "outputs": [{"name": "y"}],
-    })  # fmt: skip
+    body, length = _body(
+        {
+            "id": "r1",
+            "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}],
+            "outputs": [{"name": "y"}],
+        }
+    )
     decoded = oip_json.decode_request(body, length)
     assert decoded.inference.request_id == "r1"
     assert decoded.inference.outputs == ["y"]
@@ -32,8 +34,12 @@ def test_a_json_request_becomes_named_tensors_and_asked_outputs() -> None:
 
 def test_binary_tensors_follow_the_json_header() -> None:
     raw = np.arange(4, dtype=np.float32).tobytes()
-    spec = {"name": "x", "shape": [2, 2], "datatype": "FP32",
-            "parameters": {"binary_data_size": len(raw)}}  # fmt: skip
+    spec = {
+        "name": "x",
+        "shape": [2, 2],
+        "datatype": "FP32",
+        "parameters": {"binary_data_size": len(raw)},
+    }
     body, length = _body({"inputs": [spec]}, raw)
     decoded = oip_json.decode_request(body, length)
     assert decoded.inference.inputs["x"].tolist() == [[0, 1], [2, 3]]
@@ -71,10 +77,12 @@ def test_malformed_requests_say_what_to_fix(doc: dict[str, object], message: str
 
 
 def test_the_answer_sends_binary_outputs_when_asked() -> None:
-    body, length = _body({
-        "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
-        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
-    })  # fmt: skip
+    body, length = _body(
+        {
+            "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+        }
+    )
     wire = oip_json.OipBody(body, length, {})
     wire.decode()
     y = np.array([[1.5, 2.5]], dtype=np.float32)
@@ -98,8 +106,9 @@ def test_torchserve_fields_pick_data_then_body_then_the_first() -> None:
 
 def test_torchserve_payloads_and_health() -> None:
     assert torchserve.prediction_payload(InferenceResponse(body=b"\x01")) == (
-        b"\x01", "application/octet-stream",
-    )  # fmt: skip
+        b"\x01",
+        "application/octet-stream",
+    )
     payload, kind = torchserve.prediction_payload(InferenceResponse(outputs={"y": np.ones(2)}))
     assert (orjson.loads(payload), kind) == ([1.0, 1.0], "application/json")
     assert torchserve.health(True) == {"status": "Healthy"}

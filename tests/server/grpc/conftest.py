@@ -78,9 +78,15 @@ def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     build_archive(store, work, "slow", model, str(handler), {})
     build_archive(store, work, "slow_q1", model, str(handler), {"jobQueueSize": 1})
     proc = ServerProcess(
-        store, "--workers", "1", "--queue-size", "2000", "--max-batch-size", str(MAX_BATCH),
+        store,
+        "--workers",
+        "1",
+        "--queue-size",
+        "2000",
+        "--max-batch-size",
+        str(MAX_BATCH),
         env={"SCRIPTSERVE_GRPC_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES)},
-    ).start()  # fmt: skip
+    ).start()
     yield proc
     proc.stop()
 

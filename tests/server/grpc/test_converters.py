@@ -102,9 +102,12 @@ def test_a_stream_reply_carries_the_answer_or_the_error() -> None:
 
 def test_metadata_fills_tensor_specs() -> None:
     meta = ModelMetadata(
-        "m", ["1", "2"], "pytorch_torchscript",
-        (TensorSpec("x", "FP32", (-1, 8)),), (TensorSpec("y", "FP32", (-1, 2)),),
-    )  # fmt: skip
+        "m",
+        ["1", "2"],
+        "pytorch_torchscript",
+        (TensorSpec("x", "FP32", (-1, 8)),),
+        (TensorSpec("y", "FP32", (-1, 2)),),
+    )
     response = converters.fill_metadata(meta, triton.ModelMetadataResponse())
     assert list(response.versions) == ["1", "2"]
     assert [(t.name, list(t.shape)) for t in response.inputs] == [("x", [-1, 8])]
@@ -115,9 +118,13 @@ def test_torchserve_management_fields_zero_means_not_given() -> None:
     mgmt = tsprotos.torchserve_stubs().mgmt
     register = mgmt.RegisterModelRequest(url="m.mar", batch_size=4, synchronous=False)
     assert converters.given_fields(register) == {
-        "url": "m.mar", "batch_size": 4, "synchronous": False, "s3_sse_kms": False,
-    }  # fmt: skip
+        "url": "m.mar",
+        "batch_size": 4,
+        "synchronous": False,
+        "s3_sse_kms": False,
+    }
     metadata = [("scriptserve-quantize", "dynamic-int8"), ("scriptserve-worker-mode", b"process")]
     assert converters.registration_metadata(metadata) == {
-        "quantize": "dynamic-int8", "worker_mode": "process",
-    }  # fmt: skip
+        "quantize": "dynamic-int8",
+        "worker_mode": "process",
+    }

@@ -179,7 +179,11 @@ def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:
         **{
             name: (f"{name}Request", f"{name}Response", False, False)
             for name in (
-                "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+                "ServerLive",
+                "ServerReady",
+                "ModelReady",
+                "ServerMetadata",
+                "ModelMetadata",
                 "ModelInfer",
             )
         },
@@ -189,11 +193,14 @@ def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:
         **{
             name: (f"{name}Request", f"{name}Response", False, False)
             for name in (
-                "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad",
+                "ModelConfig",
+                "ModelStatistics",
+                "RepositoryIndex",
+                "RepositoryModelLoad",
                 "RepositoryModelUnload",
             )
         },
-    }  # fmt: skip
+    }
 
     ts = file_of(pool, "inference")
     assert ts.package == TS
@@ -215,8 +222,14 @@ def test_packages_and_services(pool: descriptor_pool.DescriptorPool) -> None:
     mgmt = file_of(pool, "management")
     assert mgmt.package == MGMT
     service = pool.FindServiceByName(f"{MGMT}.ManagementAPIsService")
-    names = ("DescribeModel", "ListModels", "RegisterModel", "ScaleWorker", "SetDefault",
-             "UnregisterModel")  # fmt: skip
+    names = (
+        "DescribeModel",
+        "ListModels",
+        "RegisterModel",
+        "ScaleWorker",
+        "SetDefault",
+        "UnregisterModel",
+    )
     assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
         **{name: (f"{name}Request", "ManagementResponse") for name in names},
         # scriptserve's own addition (profiling on demand), unknown to TorchServe's clients
@@ -230,41 +243,70 @@ def test_oip_field_numbers(pool: descriptor_pool.DescriptorPool) -> None:
 
     request = message("ModelInferRequest")
     assert fields(request) == {
-        "model_name": 1, "model_version": 2, "id": 3, "parameters": 4, "inputs": 5,
-        "outputs": 6, "raw_input_contents": 7,
-    }  # fmt: skip
+        "model_name": 1,
+        "model_version": 2,
+        "id": 3,
+        "parameters": 4,
+        "inputs": 5,
+        "outputs": 6,
+        "raw_input_contents": 7,
+    }
     raw = request.fields_by_name["raw_input_contents"]
     assert (raw.type, raw.is_repeated) == (FieldDescriptor.TYPE_BYTES, True)
     assert fields(request.nested_types_by_name["InferInputTensor"]) == {
-        "name": 1, "datatype": 2, "shape": 3, "parameters": 4, "contents": 5,
-    }  # fmt: skip
+        "name": 1,
+        "datatype": 2,
+        "shape": 3,
+        "parameters": 4,
+        "contents": 5,
+    }
     assert fields(request.nested_types_by_name["InferRequestedOutputTensor"]) == {
-        "name": 1, "parameters": 2,
-    }  # fmt: skip
+        "name": 1,
+        "parameters": 2,
+    }
     response = message("ModelInferResponse")
     assert fields(response) == {
-        "model_name": 1, "model_version": 2, "id": 3, "parameters": 4, "outputs": 5,
+        "model_name": 1,
+        "model_version": 2,
+        "id": 3,
+        "parameters": 4,
+        "outputs": 5,
         "raw_output_contents": 6,
-    }  # fmt: skip
+    }
     assert fields(message("InferTensorContents")) == {
-        "bool_contents": 1, "int_contents": 2, "int64_contents": 3, "uint_contents": 4,
-        "uint64_contents": 5, "fp32_contents": 6, "fp64_contents": 7, "bytes_contents": 8,
-    }  # fmt: skip
+        "bool_contents": 1,
+        "int_contents": 2,
+        "int64_contents": 3,
+        "uint_contents": 4,
+        "uint64_contents": 5,
+        "fp32_contents": 6,
+        "fp64_contents": 7,
+        "bytes_contents": 8,
+    }
     parameter = message("InferParameter")
     assert fields(parameter) == {
-        "bool_param": 1, "int64_param": 2, "string_param": 3, "double_param": 4,
+        "bool_param": 1,
+        "int64_param": 2,
+        "string_param": 3,
+        "double_param": 4,
         "uint64_param": 5,
-    }  # fmt: skip
+    }
     assert [f.name for f in parameter.oneofs_by_name["parameter_choice"].fields] == list(
         fields(parameter)
     )
     metadata = message("ModelMetadataResponse")
     assert fields(metadata) == {
-        "name": 1, "versions": 2, "platform": 3, "inputs": 4, "outputs": 5,
-    }  # fmt: skip
+        "name": 1,
+        "versions": 2,
+        "platform": 3,
+        "inputs": 4,
+        "outputs": 5,
+    }
     assert fields(metadata.nested_types_by_name["TensorMetadata"]) == {
-        "name": 1, "datatype": 2, "shape": 3,
-    }  # fmt: skip
+        "name": 1,
+        "datatype": 2,
+        "shape": 3,
+    }
     assert fields(message("ServerMetadataResponse")) == {"name": 1, "version": 2, "extensions": 3}
     assert fields(message("ModelReadyRequest")) == {"name": 1, "version": 2}
     assert fields(message("ModelReadyResponse")) == {"ready": 1}
@@ -304,16 +346,20 @@ def _subset_on_the_wire(ours: Descriptor, theirs: Descriptor) -> None:
     for field in ours.fields:
         their = theirs.fields_by_name[field.name]
         assert (
-            field.number, field.type, field.is_repeated,
+            field.number,
+            field.type,
+            field.is_repeated,
             field.message_type.name if field.message_type else None,
             field.enum_type.name if field.enum_type else None,
             field.containing_oneof.name if field.containing_oneof else None,
         ) == (
-            their.number, their.type, their.is_repeated,
+            their.number,
+            their.type,
+            their.is_repeated,
             their.message_type.name if their.message_type else None,
             their.enum_type.name if their.enum_type else None,
             their.containing_oneof.name if their.containing_oneof else None,
-        ), f"{ours.full_name}.{field.name}"  # fmt: skip
+        ), f"{ours.full_name}.{field.name}"
     for nested in ours.nested_types:
         _subset_on_the_wire(nested, theirs.nested_types_by_name[nested.name])
     for enum in ours.enum_types:
@@ -349,8 +395,9 @@ def test_oip_messages_match_tritons_on_the_wire(pool: descriptor_pool.Descriptor
         theirs = triton[method.name]
         assert method.full_name == theirs.full_name
         assert (method.client_streaming, method.server_streaming) == (
-            theirs.client_streaming, theirs.server_streaming,
-        )  # fmt: skip
+            theirs.client_streaming,
+            theirs.server_streaming,
+        )
         assert method.input_type.name == theirs.input_type.name
         assert method.output_type.name == theirs.output_type.name
 
@@ -377,17 +424,32 @@ def test_torchserve_field_numbers(pool: descriptor_pool.DescriptorPool) -> None:
 
     assert fields(message(f"{MGMT}.ManagementResponse")) == {"msg": 1}
     assert fields(message(f"{MGMT}.DescribeModelRequest")) == {
-        "model_name": 1, "model_version": 2, "customized": 3,
-    }  # fmt: skip
+        "model_name": 1,
+        "model_version": 2,
+        "customized": 3,
+    }
     assert fields(message(f"{MGMT}.ListModelsRequest")) == {"limit": 1, "next_page_token": 2}
     assert fields(message(f"{MGMT}.RegisterModelRequest")) == {
-        "batch_size": 1, "handler": 2, "initial_workers": 3, "max_batch_delay": 4,
-        "model_name": 5, "response_timeout": 6, "runtime": 7, "synchronous": 8, "url": 9,
-        "s3_sse_kms": 10, "startup_timeout": 11,
-    }  # fmt: skip
+        "batch_size": 1,
+        "handler": 2,
+        "initial_workers": 3,
+        "max_batch_delay": 4,
+        "model_name": 5,
+        "response_timeout": 6,
+        "runtime": 7,
+        "synchronous": 8,
+        "url": 9,
+        "s3_sse_kms": 10,
+        "startup_timeout": 11,
+    }
     assert fields(message(f"{MGMT}.ScaleWorkerRequest")) == {
-        "model_name": 1, "model_version": 2, "max_worker": 3, "min_worker": 4, "number_gpu": 5,
-        "synchronous": 6, "timeout": 7,
-    }  # fmt: skip
+        "model_name": 1,
+        "model_version": 2,
+        "max_worker": 3,
+        "min_worker": 4,
+        "number_gpu": 5,
+        "synchronous": 6,
+        "timeout": 7,
+    }
     for name in ("SetDefaultRequest", "UnregisterModelRequest"):
         assert fields(message(f"{MGMT}.{name}")) == {"model_name": 1, "model_version": 2}

@@ -107,8 +107,10 @@ def test_server_live_ready_and_metadata(
     meta = client.get_server_metadata()
     rest = httpx.get(f"{server.url}/v2").json()
     assert (meta.name, meta.version, list(meta.extensions)) == (
-        rest["name"], rest["version"], rest["extensions"],
-    )  # fmt: skip
+        rest["name"],
+        rest["version"],
+        rest["extensions"],
+    )
     assert meta.name == "scriptserve" and "binary_tensor_data" in meta.extensions
 
 
@@ -132,8 +134,10 @@ def test_model_metadata_matches_rest(
     for version in ("", "1.0"):
         meta = client.get_model_metadata(model, version)
         assert (meta.name, list(meta.versions), meta.platform) == (
-            rest["name"], rest["versions"], rest["platform"],
-        )  # fmt: skip
+            rest["name"],
+            rest["versions"],
+            rest["platform"],
+        )
         assert tensors(meta.inputs) == [("x", "FP32", [-1, 8])]
         assert tensors(meta.outputs) == [(OUTPUT[model], "FP32", [-1, 3])]
         expected = [(t["name"], t["datatype"], t["shape"]) for t in rest["inputs"]]
@@ -297,10 +301,19 @@ def test_reflection_describes_the_oip_service(server: ServerProcess) -> None:
     (oip,) = [f for f in files if f.service]
     assert oip.package == "inference"
     assert [m.name for m in oip.service[0].method] == [
-        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
-        "ModelStreamInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex",
-        "RepositoryModelLoad", "RepositoryModelUnload",
-    ]  # fmt: skip
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelInfer",
+        "ModelStreamInfer",
+        "ModelConfig",
+        "ModelStatistics",
+        "RepositoryIndex",
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
+    ]
 
 
 # -- readiness at startup -----------------------------------------------------------------------

@@ -66,9 +66,12 @@ def stream_until_final(
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
         for request_id, (model, text, parameters) in requests.items():
             client.async_stream_infer(
-                model, [prompt_input(text)], request_id=request_id, parameters=parameters,
+                model,
+                [prompt_input(text)],
+                request_id=request_id,
+                parameters=parameters,
                 **options,
-            )  # fmt: skip
+            )
         while open_ids:
             result, error = answers.get(timeout=30)
             if error is not None:
@@ -94,9 +97,10 @@ def test_model_stream_infer_replies_once_per_token(server: ServerProcess, lm: Ti
 
 
 def test_requests_of_one_stream_generate_together(server: ServerProcess, lm: TinyLM) -> None:
-    prompts = {f"r{i}": ("tinylm", text, {"max_tokens": 6 + i}) for i, text in enumerate(
-        ["the quick", "a lazy", "brown fox", "over the"]
-    )}  # fmt: skip
+    prompts = {
+        f"r{i}": ("tinylm", text, {"max_tokens": 6 + i})
+        for i, text in enumerate(["the quick", "a lazy", "brown fox", "over the"])
+    }
     got = stream_until_final(server, prompts)
     for request_id, (_, text, parameters) in prompts.items():
         replies = [result for result, _ in got[request_id] if result is not None]
@@ -109,9 +113,12 @@ def test_an_empty_end_is_a_final_reply_only_when_asked_for(server: ServerProcess
     with triton.InferenceServerClient(server.grpc) as client:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
         client.async_stream_infer(
-            "counter", [prompt_input("x")], request_id="asked", parameters={"count": 3},
+            "counter",
+            [prompt_input("x")],
+            request_id="asked",
+            parameters={"count": 3},
             enable_empty_final_response=True,
-        )  # fmt: skip
+        )
         asked = [answers.get(timeout=30) for _ in range(4)]
         client.async_stream_infer(
             "counter", [prompt_input("x")], request_id="silent", parameters={"count": 2}

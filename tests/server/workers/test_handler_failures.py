@@ -45,8 +45,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def v2_body(request_id: str, first: float) -> dict[str, object]:
     data = [first] + [0.5] * 7
-    return {"id": request_id, "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32",
-                                          "data": data}]}  # fmt: skip
+    return {
+        "id": request_id,
+        "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": data}],
+    }
 
 
 @pytest.mark.parametrize("model", ["leaky", "leaky_process"])

@@ -94,16 +94,24 @@ async def test_a_worker_process_serves_is_replaced_when_it_dies_or_hangs_and_sto
     handler.write_text(textwrap.dedent(HANDLER))
     reader = open_archive(make_archive(torchscript_file, handler=str(handler)))
     context = Context(
-        model_name="tiny", model_version="1.0", model_dir=reader.root, manifest=reader.manifest,
+        model_name="tiny",
+        model_version="1.0",
+        model_dir=reader.root,
+        manifest=reader.manifest,
         model_config=read_model_config(reader.root, reader.manifest),
-    )  # fmt: skip
+    )
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0.0, max_queue_size=16)
     metrics = ServerMetrics()
     pool = build_pool(
-        mode="process", context=context, batcher=batcher, devices=["cpu"],
-        metrics=metrics.for_version("tiny", "1.0"), response_timeout_s=RESPONSE_TIMEOUT_S,
-        policy=RestartPolicy(backoff_s=0.1, stop_grace_s=2.0), max_abandoned=4,
-    )  # fmt: skip
+        mode="process",
+        context=context,
+        batcher=batcher,
+        devices=["cpu"],
+        metrics=metrics.for_version("tiny", "1.0"),
+        response_timeout_s=RESPONSE_TIMEOUT_S,
+        policy=RestartPolicy(backoff_s=0.1, stop_grace_s=2.0),
+        max_abandoned=4,
+    )
     try:
         await asyncio.to_thread(pool.scale, 1)
         (slot,) = pool.slots()

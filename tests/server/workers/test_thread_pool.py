@@ -45,8 +45,9 @@ SECRET = "/opt/models/secret-weights.pt"
 
 def context(name: str = "tiny", device: str = "cpu") -> Context:
     manifest = Manifest(ModelInfo(name, "1.0", "tensor"))
-    return Context(model_name=name, model_version="1.0", model_dir=Path("."),
-                   manifest=manifest, device=device)  # fmt: skip
+    return Context(
+        model_name=name, model_version="1.0", model_dir=Path("."), manifest=manifest, device=device
+    )
 
 
 def row(value: float) -> InferenceRequest:
