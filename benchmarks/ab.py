@@ -9,9 +9,10 @@ ratios are taken round by round, so the machine's drift touches both sides alike
 
 Both servers serve the scenario-A MLP archive (benchmarks/models.py) with the scenarios'
 settings (workers = CPU count, one intra-op thread, batches of up to 32 with no delay); wrk
-loads `/predictions/mlp` with 32 connections, one server at a time, alternating. The idle server
-takes no CPU meanwhile. Prints each round, the medians and the per-round ratios, and writes
-them to benchmarks/results/ab-<date>.json.
+loads `/predictions/mlp` with 32 connections, one server at a time, alternating (`--route
+oip_json` or `--route oip_binary`: the same row as an Open Inference Protocol infer). The idle
+server takes no CPU meanwhile. Prints each round, the medians and the per-round ratios, and
+writes them to benchmarks/results/ab-<date>.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from benchmarks import models, report
 from benchmarks.loadgen import run_wrk, wrk_path
+from benchmarks.models import Route, routes
 from benchmarks.servers import ServerProcess, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,19 +57,23 @@ def alternate(
     body: Path,
     settle: Callable[[], None] | None = None,
     model: str = "mlp",
+    route: Route | None = None,
 ) -> dict[str, list[float]]:
-    """Load each server in turn with wrk (32 connections on scenario A's request) for
-    `rounds` rounds after a warm-up; each one's req/s, round by round. `settle` runs after
-    each load, before the next server's: what one server leaves to do after its round (e.g.
-    exporting spans) must not be charged to the next."""
+    """Load each server in turn with wrk (32 connections on scenario A's request, or on
+    `route`) for `rounds` rounds after a warm-up; each one's req/s, round by round. `settle`
+    runs after each load, before the next server's: what one server leaves to do after its
+    round (e.g. exporting spans) must not be charged to the next."""
+    if route is None:
+        json_post = {"Content-Type": "application/json"}
+        route = Route("torchserve", f"/predictions/{model}", body, json_post)
     runs: dict[str, list[float]] = {label: [] for label in servers}
     for s in servers.values():
-        run_wrk(f"{s.url}/predictions/{model}", 32, 3, 2, body)  # warm-up
+        run_wrk(s.url + route.path, 32, 3, 2, route.body, route.headers)  # warm-up
         if settle is not None:
             settle()
     for round_ in range(rounds):
         for label, s in servers.items():
-            load = run_wrk(f"{s.url}/predictions/{model}", 32, seconds, 2, body)
+            load = run_wrk(s.url + route.path, 32, seconds, 2, route.body, route.headers)
             runs[label].append(load.rps)
             if settle is not None:
                 settle()
@@ -97,6 +103,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="scenario A's MLP (default), scenario B's CNN, or the 512 -> 10 model "
         "that costs next to nothing (the request path alone)",
     )
+    p.add_argument(
+        "--route",
+        choices=("torchserve", "oip_json", "oip_binary"),
+        default="torchserve",
+        help="the request: TorchServe's /predictions (default), or the same row as an Open "
+        "Inference Protocol infer with a JSON or a binary tensor",
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
@@ -112,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="scriptserve-ab-") as tmp:
         store = Path(tmp) / "store"
         model = models.build(args.model, Path(tmp) / "work", store)
+        route = next(r for r in routes(model, Path(tmp) / "work") if r.key == args.route)
         servers = {
             "this": server("this", sys.executable, store, {}, args.model),
             "other": server("other", args.other, store, other_env, args.model),
         }
         with servers["this"], servers["other"]:
-            runs = alternate(servers, args.rounds, args.seconds, model.body, model=args.model)
+            runs = alternate(servers, args.rounds, args.seconds, model.body, route=route)
     ratios = [a / b for a, b in zip(runs["this"], runs["other"], strict=True)]
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print(
@@ -135,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "benchmark": "ab", "started": started.isoformat(timespec="seconds"),
-        "model": args.model, "other": args.other, "other_env": other_env,
+        "model": args.model, "route": args.route, "other": args.other, "other_env": other_env,
         "seconds": args.seconds, "host": host,
         "runs": runs, "medians": medians, "ratios": ratios,
     }  # fmt: skip

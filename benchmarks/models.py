@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,3 +202,49 @@ def build_holders(
                 raise RuntimeError(f"model-archiver failed for {path}")
         path.unlink()
     return store
+
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+"""The OIP binary extension's header: the length of the JSON part of a binary body."""
+
+
+@dataclass(frozen=True)
+class Route:
+    key: str
+    path: str
+    body: Path
+    headers: Mapping[str, str]
+
+
+def routes(model: BenchModel, workdir: Path) -> list[Route]:
+    """The same float32 row three ways: TorchServe JSON, OIP JSON, OIP binary."""
+    row = np.asarray(json.loads(model.body.read_text()), dtype="<f4")[None]
+    tensor = {"name": "x", "shape": list(row.shape), "datatype": "FP32"}
+    oip_json = workdir / "oip.json"
+    # The same numbers as the same text: the row's JSON array, inside OIP's envelope.
+    envelope = json.dumps({"inputs": [{**tensor, "data": None}]}).encode()
+    oip_json.write_bytes(envelope.replace(b"null", model.body.read_bytes().strip()))
+    raw = row.tobytes()
+    head = json.dumps(
+        {
+            "inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
+            "parameters": {"binary_data_output": True},
+        },
+        separators=(",", ":"),
+    ).encode()
+    oip_binary = workdir / "oip.bin"
+    oip_binary.write_bytes(head + raw)
+    json_post = {"Content-Type": "application/json"}
+    return [
+        Route("torchserve", f"/predictions/{model.name}", model.body, json_post),
+        Route("oip_json", f"/v2/models/{model.name}/infer", oip_json, json_post),
+        Route(
+            "oip_binary",
+            f"/v2/models/{model.name}/infer",
+            oip_binary,
+            {
+                "Content-Type": "application/octet-stream",
+                HEADER_LENGTH: str(len(head)),
+            },
+        ),
+    ]

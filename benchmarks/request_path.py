@@ -19,67 +19,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
 
 from benchmarks import ab, models, report
 from benchmarks.loadgen import LoadResult, run_wrk, wrk_path
 from benchmarks.scenarios import median
 from benchmarks.servers import ServerProcess, free_port, uvicorn_app
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
 _FIGURES = ("rps", "p50_ms", "p99_ms")
 _BASELINES = ("below ASGI", "ceiling", "bare FastAPI")
 _BARE = "benchmarks.baselines.bare_fastapi:app"
-
-
-@dataclass(frozen=True)
-class Route:
-    key: str
-    path: str
-    body: Path
-    headers: Mapping[str, str]
-
-
-def routes(model: models.BenchModel, workdir: Path) -> list[Route]:
-    """The same float32 row three ways: TorchServe JSON, OIP JSON, OIP binary."""
-    row = np.asarray(json.loads(model.body.read_text()), dtype="<f4")[None]
-    tensor = {"name": "x", "shape": list(row.shape), "datatype": "FP32"}
-    oip_json = workdir / "oip.json"
-    # The same numbers as the same text: the row's JSON array, inside OIP's envelope.
-    envelope = json.dumps({"inputs": [{**tensor, "data": None}]}).encode()
-    oip_json.write_bytes(envelope.replace(b"null", model.body.read_bytes().strip()))
-    raw = row.tobytes()
-    head = json.dumps(
-        {
-            "inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
-            "parameters": {"binary_data_output": True},
-        },
-        separators=(",", ":"),
-    ).encode()
-    oip_binary = workdir / "oip.bin"
-    oip_binary.write_bytes(head + raw)
-    json_post = {"Content-Type": "application/json"}
-    return [
-        Route("torchserve", f"/predictions/{model.name}", model.body, json_post),
-        Route("oip_json", f"/v2/models/{model.name}/infer", oip_json, json_post),
-        Route(
-            "oip_binary",
-            f"/v2/models/{model.name}/infer",
-            oip_binary,
-            {
-                "Content-Type": "application/octet-stream",
-                HEADER_LENGTH: str(len(head)),
-            },
-        ),
-    ]
 
 
 def _ratios(a: list[LoadResult], b: list[LoadResult]) -> list[float]:
@@ -146,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="scriptserve-path-") as tmp:
         workdir = Path(tmp)
         model = models.build("mlp", workdir, workdir / "store")
-        loads = routes(model, workdir)
+        loads = models.routes(model, workdir)
         below = free_port()
         echo = [sys.executable, "-m", "benchmarks.baselines.httptools_echo", "--port", str(below)]
         starts: dict[str, ServerProcess] = {
