@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from scriptserve.handlers.runtime.json_numbers import JsonArray
 from scriptserve.handlers.runtime.signature import (
-    Signature,
     SignatureError,
     datatype_of,
     numpy_dtype,
@@ -153,33 +152,3 @@ def encode_raw(array: np.ndarray) -> bytes:
             parts.append(struct.pack("<I", len(data)) + data)
         return b"".join(parts)
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-
-
-def select_outputs(
-    model_name: str, outputs: Mapping[str, np.ndarray], requested: Sequence[str]
-) -> list[tuple[str, np.ndarray]]:
-    """The outputs a tensor protocol answers with: the requested ones in their order, or all.
-
-    A model that answers with a body (a TorchServe-style handler) has no tensors to give.
-    """
-    if not outputs:
-        raise InvalidInput(
-            f"model {model_name!r} answers with a body, not tensors; call /predictions "
-            "(or the TorchServe gRPC Predictions method)"
-        )
-    unknown = [n for n in requested if n not in outputs]
-    if unknown:
-        known = ", ".join(outputs)
-        raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
-    return [(name, outputs[name]) for name in requested or outputs]
-
-
-def check_signature(
-    model_name: str, signature: Signature, inputs: Mapping[str, np.ndarray]
-) -> None:
-    """A tensor request against the inputs its model takes (`Signature.check_inputs`, the check
-    the tensor handler makes too); InvalidInput naming the first difference."""
-    try:
-        signature.check_inputs(inputs)
-    except SignatureError as exc:
-        raise InvalidInput(f"model {model_name!r}: {exc}") from None

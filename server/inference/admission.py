@@ -13,16 +13,17 @@ read when the job is queued.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
-from scriptserve.server.codec.tensors import check_signature, select_outputs
+from scriptserve.handlers.runtime.signature import Signature, SignatureError
 from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ServingError
 from scriptserve.server.models.registry import ModelVersion
 from scriptserve.server.observability.access_log import request_id_for, request_namer
@@ -113,20 +114,31 @@ class Deferred:
         """The outputs the decoded request asks for (what `served_by` selects)."""
         return self._outputs
 
+    def served(self, response: InferenceResponse) -> Served:
+        """The decoded request's answer (`served_by`), on the worker's thread."""
+        return served_by(self._mv, response, self._outputs)
+
 
 def admitted(
     mv: ModelVersion,
     request: Request,
-    future: asyncio.Future[InferenceResponse],
+    future: asyncio.Future[Served],
     deadline: float,
+    streaming: bool = False,
 ) -> tuple[Job, InferenceRequest | Deferred]:
     """The job that queues `request`, and where the outputs it asks for are read once it is
-    decoded: the request itself, checked now, or its `Deferred` decoding by the worker."""
+    decoded: the request itself, checked now, or its `Deferred` decoding by the worker. The
+    job's future gets the request's `Served` answer, made by the worker, unless the answer is
+    `streaming` (its PartStream makes each part's)."""
     if isinstance(request, InferenceRequest):
         checked = decoded(mv, request)
-        return Job(checked, future, deadline), checked
+        finish: Callable[[InferenceResponse], Served] | None = None
+        if not streaming:
+            finish = functools.partial(served_by, mv, outputs=checked.outputs)
+        return Job(checked, future, deadline, finish=finish), checked
     deferred = Deferred(mv, request)
-    return Job(InferenceRequest(), future, deadline, deferred), deferred
+    finish = None if streaming else deferred.served
+    return Job(InferenceRequest(), future, deadline, deferred, finish=finish), deferred
 
 
 def _checked(
@@ -154,3 +166,33 @@ def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
         job.future.set_exception(
             DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s")
         )
+
+
+def select_outputs(
+    model_name: str, outputs: Mapping[str, np.ndarray], requested: Sequence[str]
+) -> list[tuple[str, np.ndarray]]:
+    """The outputs a tensor protocol answers with: the requested ones in their order, or all.
+
+    A model that answers with a body (a TorchServe-style handler) has no tensors to give.
+    """
+    if not outputs:
+        raise InvalidInput(
+            f"model {model_name!r} answers with a body, not tensors; call /predictions "
+            "(or the TorchServe gRPC Predictions method)"
+        )
+    unknown = [n for n in requested if n not in outputs]
+    if unknown:
+        known = ", ".join(outputs)
+        raise InvalidInput(f"unknown output(s) {', '.join(unknown)}; the model's are {known}")
+    return [(name, outputs[name]) for name in requested or outputs]
+
+
+def check_signature(
+    model_name: str, signature: Signature, inputs: Mapping[str, np.ndarray]
+) -> None:
+    """A tensor request against the inputs its model takes (`Signature.check_inputs`, the check
+    the tensor handler makes too); InvalidInput naming the first difference."""
+    try:
+        signature.check_inputs(inputs)
+    except SignatureError as exc:
+        raise InvalidInput(f"model {model_name!r}: {exc}") from None

@@ -8,23 +8,24 @@ whatever the worker does), which outputs a tensor protocol answers with, and the
 every outcome. A request either is answered with a `Served` or ends with a `ServingError`.
 
 One entry per kind of answer, each a `Call` (admission, deadline, in-flight count, the access
-log's and tracing's notes, metrics) around the request's job:
+log's and tracing's notes, metrics) around the request's job. A job's future is the request's
+answer: the worker that ran it resolves it with the `Served` answer or the ServingError that
+ends it, so a transport awaits it or adds its reply as a callback, and cancels it to withdraw:
 
-    withdraw = dataplane.respond("mnist", None, decode, reply, protocol="rest")  # one answer
+    future = dataplane.submit("mnist", None, decode, protocol="rest")  # one answer
+    served = await dataplane.infer("mnist", None, decode, protocol="grpc")  # the same, awaited
     stream = dataplane.stream("mnist", None, request, protocol="rest")  # in parts
-    served = await dataplane.infer("mnist", None, decode, protocol="grpc")  # respond, awaited
     answers = await dataplane.infer_many("mnist", None, decode, protocol="rest")  # KServe v1
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 
-from scriptserve.handlers.base import InferenceRequest, InferenceResponse
+from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -68,7 +69,8 @@ UNKNOWN_LABEL = "_unknown"
 class Call:
     """One request in the data plane, from its admission to its last metric: the model version
     that serves it, its job and deadline timer, its place in the in-flight count, and the one
-    callback (`end`) that stops the timer, leaves the count and counts the outcome."""
+    callback of its job's future (`end`) that stops the timer, leaves the count and counts the
+    outcome."""
 
     __slots__ = ("job", "mv", "name", "plane", "protocol", "started", "timeout_s", "timer")
 
@@ -83,8 +85,8 @@ class Call:
 
     def admit(self, version: str | None, request: Request, streaming: bool = False) -> Job:
         """Resolve the model version and queue the request with its deadline (with a
-        PartStream when `streaming`); counted in flight. A refusal raises the ServingError
-        that answers it, counted."""
+        PartStream when `streaming`); counted in flight until its future is done. A refusal
+        raises the ServingError that answers it, counted."""
         plane = self.plane
         try:
             mv = self.mv = plane._serving(self.name, version, streaming)
@@ -93,16 +95,14 @@ class Call:
             self.count(exc.status)
             raise
         plane._inflight.enter(mv)
-        note_answered_when(self.job.future)
+        future = self.job.future
+        note_answered_when(future)
+        future.add_done_callback(self.end)
         return self.job
 
-    def end(
-        self,
-        answer: Callable[[asyncio.Future[InferenceResponse]], int] | None,
-        future: asyncio.Future[InferenceResponse],
-    ) -> None:
-        """The job's future is done: `answer` passes a finished (not cancelled) outcome on and
-        says with which status it ended."""
+    def end(self, future: asyncio.Future[Served]) -> None:
+        """The job's future is done: its answer, its error, or cancelled (the client went away
+        or the deadline passed)."""
         mv = self.mv
         assert mv is not None
         self.timer.cancel()
@@ -110,8 +110,6 @@ class Call:
         if future.cancelled():
             mv.batcher.cancel(self.job)  # the client went away: free its slot if still queued
             status = cancelled_status(self.started, self.timeout_s)
-        elif answer is not None:
-            status = answer(future)
         else:
             error = future.exception()
             status = 200 if error is None else getattr(error, "status", 500)
@@ -175,55 +173,47 @@ class DataPlane(DescribesModels):
             return False
 
     # -- inference ---------------------------------------------------------------------------
-    def respond(
+    def submit(
         self,
         name: str,
         version: str | None,
         request: Request,
-        reply: Callable[[Served | BaseException], object],
         *,
         protocol: str,
         timeout_s: float | None = None,
-    ) -> Callable[[], object]:
+    ) -> asyncio.Future[Served]:
         """Run one request, given as it is or as the function that decodes it (called once the
-        model is known to serve): `reply` is called on the loop with the answer or the
-        ServingError that ends the request, from the one callback that also counts it, unless
-        the request is withdrawn first by calling the returned function. Raises ServingError
-        when the request cannot be queued."""
+        model is known to serve). The future it returns ends with the answer or the
+        ServingError that ends the request; cancelling it withdraws the request. Raises
+        ServingError when the request cannot be queued."""
         pipeline = self.registry.pipelines.get(name)
         if pipeline is not None:
-            return self._pipeline(pipeline, version, request, reply, protocol, timeout_s)
-        call = Call(self, name, protocol, timeout_s)
-        job = call.admit(version, request)
-        mv = call.mv
-        assert mv is not None
+            return self._pipeline(pipeline, version, request, protocol, timeout_s)
+        return Call(self, name, protocol, timeout_s).admit(version, request).future
 
-        def answer(future: asyncio.Future[InferenceResponse]) -> int:
-            error = future.exception()
-            if error is None:
-                try:
-                    served = served_by(mv, future.result(), job.request.outputs)
-                except ServingError as exc:
-                    error = exc
-                else:
-                    reply(served)
-                    return 200
-            reply(error)
-            return getattr(error, "status", 500)
-
-        job.future.add_done_callback(functools.partial(call.end, answer))
-        return job.future.cancel
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        request: Request,
+        *,
+        protocol: str,
+        timeout_s: float | None = None,
+    ) -> Served:
+        """`submit`, awaited: the answer, or the ServingError raised; cancelled, it withdraws
+        the request."""
+        return await self.submit(name, version, request, protocol=protocol, timeout_s=timeout_s)
 
     def _pipeline(
         self,
         pipeline: Pipeline,
         version: str | None,
         request: Request,
-        reply: Callable[[Served | BaseException], object],
         protocol: str,
         timeout_s: float | None,
-    ) -> Callable[[], object]:
-        """`respond` for a pipeline: its steps run as a task (pipeline_run.py) that replies."""
+    ) -> asyncio.Future[Served]:
+        """`submit` for a pipeline: its steps run as a task (pipeline_run.py), whose end is the
+        request's."""
         started = time.perf_counter()
 
         def count(status: int) -> None:
@@ -253,41 +243,10 @@ class DataPlane(DescribesModels):
                 count(cancelled_status(started, timeout_s))
                 return
             error = task.exception()
-            reply(error if error is not None else task.result())
             count(200 if error is None else getattr(error, "status", 500))
 
         run.add_done_callback(done)
-        return run.cancel
-
-    async def infer(
-        self,
-        name: str,
-        version: str | None,
-        request: Request,
-        *,
-        protocol: str,
-        timeout_s: float | None = None,
-    ) -> Served:
-        """`respond`, awaited: the answer, or the ServingError raised; cancelled, it withdraws
-        the request."""
-        outcome: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-
-        def reply(answer: Served | BaseException) -> None:
-            if outcome.done():
-                return
-            if isinstance(answer, Served):
-                outcome.set_result(answer)
-            else:
-                outcome.set_exception(answer)
-
-        withdraw = self.respond(
-            name, version, request, reply, protocol=protocol, timeout_s=timeout_s
-        )
-        try:
-            return await outcome
-        except asyncio.CancelledError:
-            withdraw()
-            raise
+        return run
 
     def stream(
         self,
@@ -301,9 +260,7 @@ class DataPlane(DescribesModels):
         """Run one request whose answer the client takes as it comes, part by part (an answer
         in one piece is a stream of one). Raises ServingError when it cannot be queued; the
         stream then raises what ended it early. The deadline covers the whole stream."""
-        call = Call(self, name, protocol, timeout_s)
-        job = call.admit(version, request, streaming=True)
-        job.future.add_done_callback(functools.partial(call.end, None))
+        job = Call(self, name, protocol, timeout_s).admit(version, request, streaming=True)
         assert job.stream is not None
         return job.stream
 
@@ -355,9 +312,8 @@ class DataPlane(DescribesModels):
                     raise error_for_status(error.status, f"{item} {i}: {error.message}")
                 if error is not None:
                     raise error
-            served = [served_by(mv, job.future.result(), job.request.outputs) for job, _ in queued]
             status = 200
-            return served
+            return [job.future.result() for job, _ in queued]
         except ServingError as exc:
             status = exc.status
             raise
@@ -419,7 +375,7 @@ class DataPlane(DescribesModels):
                 raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
         loop = asyncio.get_running_loop()
-        job, source = admitted(mv, request, loop.create_future(), time.monotonic() + budget)
+        job, source = admitted(mv, request, loop.create_future(), time.monotonic() + budget, stream)
         if stream:
             # `source`, not the job: the job holds the stream, and a cycle would outlive it.
             job.stream = PartStream(

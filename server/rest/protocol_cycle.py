@@ -203,14 +203,11 @@ class ProtocolCycle(RequestResponseCycle):
         return Headers(raw=self.raw_headers)
 
     def _infer(self, wire: oip_json.OipBody, timeout_s: float | None) -> None:
-        self._withdraw = self.routes.dataplane.respond(
-            self.model_name,
-            self.version,
-            wire.decode,
-            functools.partial(self._inferred, wire),
-            protocol="rest",
-            timeout_s=timeout_s,
+        answer = self.routes.dataplane.submit(
+            self.model_name, self.version, wire.decode, protocol="rest", timeout_s=timeout_s
         )
+        self._withdraw = answer.cancel
+        answer.add_done_callback(functools.partial(self._inferred, wire))
 
     def _predict(self, request: InferenceRequest, timeout_s: float | None) -> None:
         # Any handler may answer in parts (TorchServe's send_intermediate_predict_response):
@@ -280,15 +277,14 @@ class ProtocolCycle(RequestResponseCycle):
         response = served.response
         self._answer(response.status, payload, content_type.encode("latin-1"), response.headers)
 
-    def _inferred(self, wire: oip_json.OipBody, answer: Served | BaseException) -> None:
-        """The data plane's reply: the answer, or the error that ended the request."""
-        if self.response_complete:
+    def _inferred(self, wire: oip_json.OipBody, answer: asyncio.Future[Served]) -> None:
+        """The request's answer, or the error that ended it; nothing when it was withdrawn."""
+        if self.response_complete or answer.cancelled():
             return
         try:
-            if not isinstance(answer, Served):
-                raise answer
+            served = answer.result()
             payload, header_length = wire.encode(
-                answer.model_name, answer.model_version, answer.outputs
+                served.model_name, served.model_version, served.outputs
             )
         except ServingError as exc:
             self._answer_error(exc)

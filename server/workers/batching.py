@@ -37,12 +37,17 @@ class Job:
 
     request: InferenceRequest
     """The request; while `decode` is set, an empty stand-in for it."""
-    future: asyncio.Future[InferenceResponse]
+    future: asyncio.Future[Any]
+    """What the request ends with: `finish` of its response, or the ServingError that ended
+    it (set by `delivery.deliver`); cancelled when its client went away or its deadline passed."""
     deadline: float
     """time.monotonic() after which the request is not worth running."""
     decode: Decode | None = None
     """Set for a request queued as it was sent: the worker that takes it decodes it
     (`decode_jobs`) before its batch runs."""
+    finish: Callable[[InferenceResponse], Any] | None = None
+    """What the data plane makes of the handler's response, on the worker's thread (the answer
+    with the outputs the request asked for); None keeps the response as it is."""
     enqueued: float = field(default_factory=time.monotonic)
     dequeued: float = 0.0
     cancelled: bool = False

@@ -1,9 +1,10 @@
-"""How a worker's outcomes reach the requests' futures: from any thread, handed to the event loop
-in one call per batch, where each becomes what its future holds. And the record a traced batch
-leaves on its jobs."""
+"""How a worker's outcomes reach the requests' futures: each made into what its future holds on
+the worker's thread (`settled`), then handed to the event loop in one call per batch. And the
+record a traced batch leaves on its jobs."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -11,33 +12,48 @@ from scriptserve.handlers.base import InferenceResponse
 from scriptserve.server.errors import InferenceFailed, ServingError, error_for_status
 from scriptserve.server.workers.batching import BatchRecord, Job
 
+log = logging.getLogger("scriptserve.workers")
+
+
+def settled(job: Job, outcome: object) -> object:
+    """What `job`'s future is to hold for a worker's outcome, made on the worker's thread: the
+    job's `finish` of a successful InferenceResponse, else the ServingError that answers it (a
+    response with `error` set becomes the error for its status; anything that is not a response,
+    InferenceFailed)."""
+    if isinstance(outcome, ServingError):
+        return outcome
+    if not isinstance(outcome, InferenceResponse):
+        return InferenceFailed(f"the worker answered with a {type(outcome).__name__}")
+    if outcome.error is not None:
+        return error_for_status(outcome.status, outcome.error)
+    if job.finish is None:
+        return outcome
+    try:
+        return job.finish(outcome)
+    except ServingError as exc:
+        return exc
+    except Exception:
+        log.exception("request_id=%s its answer could not be made", job.request.request_id)
+        return InferenceFailed("the model's answer could not be made; see the server's log")
+
 
 def deliver(outcomes: Sequence[tuple[Job, object]]) -> None:
-    """Runs on the event loop: resolve the futures nobody has given up on.
-
-    The one place where a worker's outcome becomes what a request's future holds: a successful
-    InferenceResponse, or a ServingError (a response with `error` set becomes the error for its
-    status; anything that is not a response becomes InferenceFailed).
-    """
-    for job, outcome in outcomes:
+    """Runs on the event loop: resolve the futures nobody has given up on with what `settled`
+    made of their outcomes, the one place where a request's future is resolved."""
+    for job, value in outcomes:
         if job.future.done():
             continue
-        if isinstance(outcome, ServingError):
-            job.future.set_exception(outcome)
-        elif not isinstance(outcome, InferenceResponse):
-            job.future.set_exception(
-                InferenceFailed(f"the worker answered with a {type(outcome).__name__}")
-            )
-        elif outcome.error is not None:
-            job.future.set_exception(error_for_status(outcome.status, outcome.error))
+        if isinstance(value, BaseException):
+            job.future.set_exception(value)
         else:
-            job.future.set_result(outcome)
+            job.future.set_result(value)
 
 
 def hand_back(jobs: list[Job], outcomes: Sequence[object]) -> None:
-    """From any thread: have the event loop `deliver` one outcome per job."""
+    """From any thread: settle one outcome per job here, then have the event loop `deliver`
+    them, in one call."""
     if jobs:
-        pairs = list(zip(jobs, outcomes, strict=True))
+        pairs = [(job, settled(job, outcome)) for job, outcome in zip(jobs, outcomes, strict=True)]
         jobs[0].future.get_loop().call_soon_threadsafe(deliver, pairs)
 
 

@@ -202,35 +202,39 @@ async def test_a_stream_request_can_be_withdrawn(plane: Plane) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_reply_comes_from_the_callback_that_counts_the_request(plane: Plane) -> None:
-    # What the REST protocol answers OIP requests with: no future between the job and the reply.
+async def test_the_future_submit_returns_is_the_answer_counted_before_any_reply(
+    plane: Plane,
+) -> None:
+    # What the REST protocol answers OIP requests with: the job's own future, resolved by the
+    # worker with the Served answer (outputs selected there), a reply added to it as a callback.
     dp = plane.dataplane
     mv = plane.registry.get("tiny", "1.0")
     assert mv.batcher is not None
-    replies: list[tuple[Served | BaseException, int]] = []
+    replies: list[tuple[asyncio.Future[Served], int]] = []
 
-    def reply(answer: Served | BaseException) -> None:
+    def reply(answer: asyncio.Future[Served]) -> None:
         replies.append((answer, plane.requests(200) + plane.requests(400)))
 
-    dp.respond("tiny", "1.0", _request([]), reply, protocol="test")
+    dp.submit("tiny", "1.0", _request([]), protocol="test").add_done_callback(reply)
     await _until(lambda: len(replies) == 1)
-    served, counted_before = replies[0]
+    answer, counted_before = replies[0]
+    served = answer.result()
     assert isinstance(served, Served) and served.model_version == "1.0"
-    assert counted_before == 0 and plane.requests(200) == 1  # counted right after the reply
-    dp.respond("tiny", "1.0", _request(["nope"]), reply, protocol="test")
+    assert counted_before == 1 and plane.requests(200) == 1  # counted when the answer came
+    dp.submit("tiny", "1.0", _request(["nope"]), protocol="test").add_done_callback(reply)
     await _until(lambda: len(replies) == 2)
-    error = replies[1][0]
+    error = replies[1][0].exception()
     assert isinstance(error, InvalidInput) and "unknown output(s) nope" in error.message
     assert plane.requests(400) == 1
-    # Withdrawn: no reply, and counted as its client going away.
+    # Withdrawn: cancelled, and counted as its client going away.
     await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0)
-    dp.respond("tiny", "1.0", _request([]), reply, protocol="test")
-    withdraw = dp.respond("tiny", "1.0", _request([]), reply, protocol="test")
-    withdraw()
+    dp.submit("tiny", "1.0", _request([]), protocol="test").add_done_callback(reply)
+    withdrawn = dp.submit("tiny", "1.0", _request([]), protocol="test")
+    withdrawn.cancel()
     await _until(lambda: dp.inflight == 0)
     assert plane.requests(499) == 1 and len(replies) == 3
     with pytest.raises(ModelNotFound):
-        dp.respond("missing", None, _request([]), reply, protocol="test")
+        dp.submit("missing", None, _request([]), protocol="test")
 
 
 @pytest.mark.anyio

@@ -12,11 +12,9 @@ from scriptserve.handlers.runtime.signature import Signature, SignatureError, Te
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,
-    check_signature,
     decode_raw,
     encode_raw,
     from_values,
-    select_outputs,
 )
 from scriptserve.server.errors import InvalidInput
 
@@ -110,19 +108,6 @@ def test_an_input_sent_twice_is_refused() -> None:
         add_input(inputs, "x", np.zeros(1))
 
 
-def test_outputs_are_selected_in_the_order_asked() -> None:
-    outputs = {"a": np.zeros(1), "b": np.ones(1)}
-    assert [n for n, _ in select_outputs("m", outputs, [])] == ["a", "b"]
-    assert [n for n, _ in select_outputs("m", outputs, ["b", "a"])] == ["b", "a"]
-    with pytest.raises(InvalidInput, match=r"unknown output\(s\) c; the model's are a, b"):
-        select_outputs("m", outputs, ["c"])
-
-
-def test_a_model_that_answers_with_a_body_has_no_tensors() -> None:
-    with pytest.raises(InvalidInput, match="answers with a body, not tensors; call /predictions"):
-        select_outputs("m", {}, [])
-
-
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
@@ -140,32 +125,6 @@ def test_shapes_are_bounded_before_anything_is_allocated(shape: list[int], messa
 def test_bytes_elements_need_their_length_prefixes() -> None:
     with pytest.raises(InvalidInput, match="8 bytes cannot hold them"):
         decode_raw("t", "BYTES", [1000000], b"\0" * 8)
-
-
-SIGNATURE = Signature((TensorSpec("x", "FP32", (-1, 8)), TensorSpec("m", "INT64", (-1, 1))))
-
-
-@pytest.mark.parametrize(
-    ("inputs", "message"),
-    [
-        ({"z": np.zeros((1, 8), np.float32)}, "unknown input 'z'; the model's inputs are x, m"),
-        (
-            {"x": np.zeros((1, 8), np.float64)},
-            "input 'x' has datatype FP64; the model expects FP32",
-        ),
-        ({"x": np.zeros((1, 7), np.float32)}, r"input 'x' has shape \[1, 7\]; the model expects"),
-        ({"x": np.zeros(8, np.float32)}, r"input 'x' has shape \[8\]"),
-        ({"x": np.zeros((2, 8), np.float32)}, r"model 'm': missing input\(s\): m"),
-    ],
-)
-def test_tensor_requests_are_checked_against_the_signature(
-    inputs: dict[str, np.ndarray], message: str
-) -> None:
-    with pytest.raises(InvalidInput, match=message):
-        check_signature("m", SIGNATURE, inputs)
-    check_signature(
-        "m", SIGNATURE, {"x": np.zeros((3, 8), np.float32), "m": np.zeros((3, 1), np.int64)}
-    )
 
 
 def test_a_signature_remembers_what_it_accepted_and_still_refuses_the_rest() -> None:

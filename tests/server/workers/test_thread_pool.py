@@ -32,7 +32,7 @@ from scriptserve.server.errors import (
 )
 from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.workers.batching import DynamicBatcher, Job
-from scriptserve.server.workers.delivery import deliver
+from scriptserve.server.workers.delivery import deliver, settled
 from scriptserve.server.workers.pool import RestartPolicy, WorkerPool, WorkerState
 from scriptserve.server.workers.threads import ThreadRunner, ThreadSlot
 
@@ -263,22 +263,29 @@ async def test_a_request_past_its_deadline_is_answered_504_without_running(
 
 
 # -- from a handler's outcome to a request's future ------------------------------------------------
-async def test_deliver_resolves_each_future_from_its_outcome() -> None:
+async def test_each_future_holds_what_its_outcome_settles_to() -> None:
     loop = asyncio.get_running_loop()
-    jobs = [Job(row(i), loop.create_future(), deadline=time.monotonic() + 60) for i in range(6)]
+    jobs = [Job(row(i), loop.create_future(), deadline=time.monotonic() + 60) for i in range(8)]
     ok = InferenceResponse(outputs={"y": np.ones((1, 2), np.float32)})
     full = QueueFull("the queue is full")
     jobs[5].future.cancel()  # the client went away
-    deliver(
-        [
-            (jobs[0], ok),
-            (jobs[1], InferenceResponse.failed("input 'x' has shape [3]; expected [2]", 400)),
-            (jobs[2], InferenceResponse.failed("the model's output was empty", 500)),
-            (jobs[3], {"y": [1.0, 2.0]}),
-            (jobs[4], full),
-            (jobs[5], ok),
-        ]
-    )
+    jobs[6].finish = lambda response: ("answer", response)  # what the data plane makes of it
+
+    def unknown_output(response: InferenceResponse) -> object:
+        raise InvalidInput("unknown output(s) z")
+
+    jobs[7].finish = unknown_output
+    outcomes = [
+        ok,
+        InferenceResponse.failed("input 'x' has shape [3]; expected [2]", 400),
+        InferenceResponse.failed("the model's output was empty", 500),
+        {"y": [1.0, 2.0]},
+        full,
+        ok,
+        ok,
+        ok,
+    ]
+    deliver([(job, settled(job, outcome)) for job, outcome in zip(jobs, outcomes, strict=True)])
     assert jobs[0].future.result() is ok
     bad_input = jobs[1].future.exception()
     assert isinstance(bad_input, InvalidInput) and bad_input.status == 400
@@ -291,6 +298,9 @@ async def test_deliver_resolves_each_future_from_its_outcome() -> None:
     assert not_a_response.message == "the worker answered with a dict"
     assert jobs[4].future.exception() is full
     assert jobs[5].future.cancelled()
+    assert jobs[6].future.result() == ("answer", ok)
+    refused = jobs[7].future.exception()
+    assert isinstance(refused, InvalidInput) and refused.message == "unknown output(s) z"
 
 
 async def test_a_failed_response_fails_only_its_own_request(thread_pool: PoolFactory) -> None:
