@@ -68,8 +68,10 @@ def build_wheel(root: Path) -> Path:
 def gpu_layer() -> tuple[Path, str]:
     """The GPU image's Python layer made on this machine as docker/Dockerfile.gpu makes it: the
     wheel from `docker/wheelhouse.sh --project-only`, then `docker/gpu-layer.sh` (torch from
-    pip's own index here, the CPU build, in place of the CUDA index). Returns the environment's
-    bin/ folder and what the script printed; the caller deletes `bin/../..` when done."""
+    pip's own index here, the CPU build, in place of the CUDA index), without compiling each
+    package's bytecode (PIP_COMPILE=0, pip's --no-compile: an image keeps its bytecode to start
+    faster, this environment is deleted after the tests). Returns the environment's bin/ folder
+    and what the script printed; the caller deletes `bin/../..` when done."""
     root = Path(tempfile.mkdtemp(prefix="scriptserve-gpu-layer-"))
     subprocess.run(
         [str(REPO / "docker" / "wheelhouse.sh"), "--project-only", str(root / "wheels")],
@@ -82,7 +84,7 @@ def gpu_layer() -> tuple[Path, str]:
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "TORCH_INDEX_URL": ""},
+        env={**os.environ, "TORCH_INDEX_URL": "", "PIP_COMPILE": "0"},
     )
     if done.returncode != 0:
         raise RuntimeError(f"gpu-layer.sh failed ({done.returncode}):\n{done.stderr[-4000:]}")

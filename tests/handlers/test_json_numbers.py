@@ -112,7 +112,7 @@ _rectangular = _shapes.flatmap(_filled)
 
 
 @pytest.mark.slow
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(value=st.one_of(_nested, _rectangular), dtype=st.sampled_from(DTYPES))
 def test_the_fast_path_never_answers_differently(value: Any, dtype: np.dtype[Any]) -> None:
     text = json.dumps(value).encode()
@@ -162,7 +162,7 @@ _documents = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(document=_documents, dtype=st.sampled_from(DTYPES))
 def test_loads_is_orjson_with_arrays_left_lazy(document: Any, dtype: np.dtype[Any]) -> None:
     text = json.dumps(document).encode()
@@ -251,7 +251,7 @@ def _each_alone(texts: list[bytes], rows: np.ndarray, dtype: np.dtype[Any]) -> N
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=70, deadline=None)
 @given(
     width=st.integers(0, 4),
     data=st.data(),
@@ -270,7 +270,7 @@ def test_rows_of_one_width_are_read_in_one_parse_as_each_alone(
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     values=st.lists(st.one_of(_flat, _nested), min_size=1, max_size=4),
     cuts=st.lists(st.integers(0, 400), max_size=4),
