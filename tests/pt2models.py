@@ -6,7 +6,10 @@
   `SLOW_ROWS` takes about 0.1 s on one core (for the tests of threads running at once);
 - `tiny_package()`: the compiled package inside the tiny archive, as a user would bring it;
 - `tiny_int8_archive(mode)`: TinyMLP as an int8 package (`dynamic-int8` or `static-int8`,
-  torchao's PT2E flow), with `tiny_validation()` stored in it for the accuracy guard.
+  torchao's PT2E flow), with `tiny_validation()` stored in it for the accuracy guard;
+- `tiny_bf16_build()`: TinyMLP compiled to compute in bfloat16 (`build_package(...,
+  precision="bf16")`, the calls model-archiver makes, which this CPU may refuse), with the
+  source it came from.
 
 A compile takes 8 to 25 s. Inductor's cache is build/pt2-test-cache (ignored by git), so a
 second session compiles from a warm cache. The conftest's head start (tests/conftest.py)
@@ -23,6 +26,7 @@ import functools
 import io
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -31,6 +35,7 @@ import threading
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import headstart
 import numpy as np
@@ -39,6 +44,10 @@ from testmodels import TinyMLP
 from torch import nn
 
 from scriptserve.archiver.cli import model_archiver_main
+
+if TYPE_CHECKING:
+    from scriptserve.archiver.pt2_check import Pt2Build
+    from scriptserve.archiver.pt2_export import Pt2Source
 
 TESTS = Path(__file__).resolve().parent
 INDUCTOR_CACHE = TESTS.parent / "build" / "pt2-test-cache"
@@ -162,8 +171,34 @@ def archive_eager(name: str, model_class: str, sample: object, max_batch: int, *
     return workdir() / "store" / f"{name}.mar"
 
 
+def _bf16_build() -> Path:
+    """TinyMLP's bfloat16 package, built as model-archiver builds it; its Pt2Build and
+    Pt2Source pickled beside it."""
+    from scriptserve.archiver.pt2_export import Pt2Source, build_package
+
+    root = workdir() / "tiny_bf16"
+    root.mkdir()
+    torch.save(TinyMLP().state_dict(), root / "weights.pt")
+    source = Pt2Source(root / "weights.pt", TESTS / "testmodels.py", "TinyMLP")
+    sample = {"x": np.full((1, 8), 0.5, np.float32)}
+    with inductor_cache():
+        build = build_package(source, sample, TINY_MAX_BATCH, root / "m.pt2", precision="bf16")
+    made = _made("tiny_bf16")
+    made.write_bytes(pickle.dumps((build, source)))
+    return made
+
+
+def _made(name: str) -> Path:
+    """Where the archive `name` is written (the bf16 build: its pickle)."""
+    if name == "tiny_bf16":
+        return workdir() / name / "build.pickle"
+    return workdir() / "store" / f"{name}.mar"
+
+
 def _make(name: str) -> Path:
     """The archive `name` (see ARCHIVES), compiled in this process."""
+    if name == "tiny_bf16":
+        return _bf16_build()
     tiny = ("TinyMLP", [0.5] * 8, TINY_MAX_BATCH)
     if name == "tiny_pt2":
         return archive_eager(name, *tiny)
@@ -222,11 +257,19 @@ def tiny_int8_archive(mode: str) -> Path:
     return _archive("tiny_" + mode.replace("-", "_"))
 
 
+@functools.cache
+def tiny_bf16_build() -> tuple[Pt2Build, Pt2Source]:
+    """TinyMLP's bfloat16 package as `build_package` returned it, and its source."""
+    made: tuple[Pt2Build, Pt2Source] = pickle.loads(_archive("tiny_bf16").read_bytes())
+    return made
+
+
 ARCHIVES: dict[Callable[..., Path], tuple[str, ...]] = {
     tiny_archive: ("tiny_pt2",),
     tiny_package: ("tiny_pt2",),
     two_heads_archive: ("two_heads",),
     tiny_int8_archive: ("tiny_dynamic_int8", "tiny_static_int8"),
+    tiny_bf16_build: ("tiny_bf16",),
 }
 """The archives each function gives (tiny_int8_archive: either mode)."""
 
@@ -245,7 +288,7 @@ def build_in_child(names: Iterable[str]) -> dict[str, Path]:
     run_child(
         __file__, names, "compiling the .pt2 test archives", {WORKDIR_VARIABLE: str(workdir())}
     )
-    return {name: workdir() / "store" / f"{name}.mar" for name in names}
+    return {name: _made(name) for name in names}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""`--precision bf16|fp16`: refused where the CPU would emulate bfloat16, and otherwise a
-package that computes in bfloat16 behind float32 inputs and outputs, held to the accuracy guard
-against fp32. The package is built here through the same calls model-archiver makes, since this
-machine's CPU may lack bfloat16 instructions (where it has them, the CLI test builds it too)."""
+"""`--precision bf16|fp16`: refused where the CPU would emulate bfloat16, the ISA recorded, and
+the reduced model that is exported. The package that computes in bfloat16 is
+tests/archiver/test_precision_package.py's (built through model-archiver's own calls, since this
+machine's CPU may lack bfloat16 instructions; where it has them, the CLI test here builds it
+too)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,17 @@ import json
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from pt2models import TESTS, TINY_MAX_BATCH, inductor_cache
+from pt2models import TESTS, inductor_cache
 from testmodels import TinyMLP
 
-from scriptserve.archiver.accuracy import QuantizationError, Tolerance, ValidationSamples
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.precision import (
-    check_precision,
     precision_isa,
     precision_problem,
     reduced,
 )
-from scriptserve.archiver.pt2_check import PackageRunner
-from scriptserve.archiver.pt2_export import Pt2Source, build_package
-from scriptserve.archiver.pt2_package import read_package
 
 AVX2 = ("avx", "avx2", "fma3")
 
@@ -63,28 +58,6 @@ def test_the_reduced_model_keeps_its_signature_and_float32_at_its_edges() -> Non
     assert out.dtype == torch.float32
     assert list(__import__("inspect").signature(model.forward).parameters) == ["x"]
     torch.testing.assert_close(out, TinyMLP().eval()(x), atol=0.05, rtol=0.05)
-
-
-@pytest.mark.slow
-def test_a_bf16_package_computes_in_bfloat16_and_passes_the_guard(tmp_path: Path) -> None:
-    torch.save(TinyMLP().state_dict(), tmp_path / "weights.pt")
-    source = Pt2Source(tmp_path / "weights.pt", TESTS / "testmodels.py", "TinyMLP")
-    sample = {"x": np.full((1, 8), 0.5, np.float32)}
-    with inductor_cache():
-        build = build_package(source, sample, TINY_MAX_BATCH, tmp_path / "m.pt2", precision="bf16")
-
-    assert build.info.precision == "bf16"
-    assert [t.datatype for t in build.signature.inputs] == ["FP32"]  # clients still send fp32
-    x = np.random.default_rng(0).standard_normal((200, 8)).astype(np.float32)
-    samples = ValidationSamples({"x": x})
-    checked = check_precision(build.package, source, samples, Tolerance(min_top1_agreement=0.9))
-    validation = checked["validation"]
-    assert validation["top1_agreement"] >= 0.9 and validation["max_abs_diff"] > 0
-    out = PackageRunner(build.package)({"x": x})["output0"]
-    assert out.dtype == np.float32
-    assert "bfloat16" in read_package(build.package).wrapper  # kernels compute in bfloat16
-    with pytest.raises(QuantizationError, match="bf16/fp16 refused: max"):
-        check_precision(build.package, source, samples, Tolerance(max_abs_diff=1e-9))
 
 
 def test_model_archiver_builds_bf16_only_where_the_cpu_has_it(tmp_path: Path) -> None:
