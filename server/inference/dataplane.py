@@ -67,12 +67,22 @@ UNKNOWN_LABEL = "_unknown"
 
 
 class Call:
-    """One request in the data plane, from its admission to its last metric: the model version
-    that serves it, its job and deadline timer, its place in the in-flight count, and the one
-    callback of its job's future (`end`) that stops the timer, leaves the count and counts the
-    outcome."""
+    """One request in the data plane, from its admission to its last metric: what serves it (a
+    model version, whose job and deadline timer it holds, or a pipeline, whose steps run as a
+    task), its place in the in-flight count, and the one callback of its future (`end`) that
+    stops the timer, leaves the count and counts the outcome."""
 
-    __slots__ = ("job", "mv", "name", "plane", "protocol", "started", "timeout_s", "timer")
+    __slots__ = (
+        "job",
+        "labels",
+        "mv",
+        "name",
+        "plane",
+        "protocol",
+        "started",
+        "timeout_s",
+        "timer",
+    )
 
     def __init__(self, plane: DataPlane, name: str, protocol: str, timeout_s: float | None) -> None:
         self.plane = plane
@@ -80,8 +90,10 @@ class Call:
         self.protocol = protocol
         self.timeout_s = timeout_s
         self.started = time.perf_counter()
+        self.labels: tuple[str, str] | None = None
+        """Once known: the name and version it is counted under (its metric labels)."""
         self.mv: ModelVersion | None = None
-        """Once resolved: the version that serves the request (its metric labels)."""
+        """Once resolved: the model version that serves it; None for a pipeline's request."""
 
     def admit(self, version: str | None, request: Request, streaming: bool = False) -> Job:
         """Resolve the model version and queue the request with its deadline (with a
@@ -90,25 +102,57 @@ class Call:
         plane = self.plane
         try:
             mv = self.mv = plane._serving(self.name, version, streaming)
+            self.labels = (mv.name, mv.version)
             self.job, self.timer = plane._enqueue(mv, request, self.timeout_s, streaming)
         except ServingError as exc:
             self.count(exc.status)
             raise
-        plane._inflight.enter(mv)
+        plane._inflight.enter_name(*self.labels)
         future = self.job.future
         note_answered_when(future)
         future.add_done_callback(self.end)
         return self.job
 
+    def run_pipeline(
+        self, pipeline: Pipeline, version: str | None, request: Request
+    ) -> asyncio.Future[Served]:
+        """A pipeline's request: its steps run as a task (pipeline_run.py), whose end is the
+        request's; counted in flight and in the metrics under the pipeline's name. A refusal
+        raises the ServingError that answers it, counted."""
+        plane = self.plane
+        self.labels = (pipeline.name, PIPELINE_VERSION)
+        try:
+            if version not in (None, PIPELINE_VERSION):
+                raise ModelNotFound(
+                    f"pipeline {pipeline.name!r} has no version {version!r} (versions: "
+                    f"{PIPELINE_VERSION})"
+                )
+            pin_model(pipeline.name, PIPELINE_VERSION)
+            trace_pin(pipeline.name, PIPELINE_VERSION)
+            if plane.refusing:
+                raise ModelNotReady("the server is shutting down; retry on another replica")
+            given = request if isinstance(request, InferenceRequest) else _decoded(request)
+        except ServingError as exc:
+            self.count(exc.status)
+            raise
+        run = run_pipeline(plane.infer, pipeline, given, self.timeout_s, self.protocol)
+        task = asyncio.ensure_future(run)
+        plane._inflight.enter_name(*self.labels)
+        task.add_done_callback(self.end)
+        return task
+
     def end(self, future: asyncio.Future[Served]) -> None:
-        """The job's future is done: its answer, its error, or cancelled (the client went away
-        or the deadline passed)."""
+        """The request's future is done: its answer, its error, or cancelled (the client went
+        away or the deadline passed)."""
+        labels = self.labels
+        assert labels is not None
         mv = self.mv
-        assert mv is not None
-        self.timer.cancel()
-        self.plane._inflight.leave(mv)
+        if mv is not None:
+            self.timer.cancel()
+            if future.cancelled():
+                mv.batcher.cancel(self.job)  # the client went away: free its slot if queued
+        self.plane._inflight.leave_name(*labels)
         if future.cancelled():
-            mv.batcher.cancel(self.job)  # the client went away: free its slot if still queued
             status = cancelled_status(self.started, self.timeout_s)
         else:
             error = future.exception()
@@ -117,8 +161,7 @@ class Call:
 
     def count(self, status: int) -> None:
         """The request's outcome in the metrics, under its model version once known."""
-        mv = self.mv
-        labels = (mv.name, mv.version) if mv is not None else self.plane._unknown(self.name)
+        labels = self.labels or self.plane._unknown(self.name)
         elapsed = time.perf_counter() - self.started
         self.plane.metrics.observe_request(*labels, self.protocol, status, elapsed)
 
@@ -186,10 +229,11 @@ class DataPlane(DescribesModels):
         model is known to serve). The future it returns ends with the answer or the
         ServingError that ends the request; cancelling it withdraws the request. Raises
         ServingError when the request cannot be queued."""
+        call = Call(self, name, protocol, timeout_s)
         pipeline = self.registry.pipelines.get(name)
         if pipeline is not None:
-            return self._pipeline(pipeline, version, request, protocol, timeout_s)
-        return Call(self, name, protocol, timeout_s).admit(version, request).future
+            return call.run_pipeline(pipeline, version, request)
+        return call.admit(version, request).future
 
     async def infer(
         self,
@@ -203,50 +247,6 @@ class DataPlane(DescribesModels):
         """`submit`, awaited: the answer, or the ServingError raised; cancelled, it withdraws
         the request."""
         return await self.submit(name, version, request, protocol=protocol, timeout_s=timeout_s)
-
-    def _pipeline(
-        self,
-        pipeline: Pipeline,
-        version: str | None,
-        request: Request,
-        protocol: str,
-        timeout_s: float | None,
-    ) -> asyncio.Future[Served]:
-        """`submit` for a pipeline: its steps run as a task (pipeline_run.py), whose end is the
-        request's."""
-        started = time.perf_counter()
-
-        def count(status: int) -> None:
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(pipeline.name, PIPELINE_VERSION, protocol, status, elapsed)
-
-        try:
-            if version not in (None, PIPELINE_VERSION):
-                raise ModelNotFound(
-                    f"pipeline {pipeline.name!r} has no version {version!r} (versions: "
-                    f"{PIPELINE_VERSION})"
-                )
-            pin_model(pipeline.name, PIPELINE_VERSION)
-            trace_pin(pipeline.name, PIPELINE_VERSION)
-            if self.refusing:
-                raise ModelNotReady("the server is shutting down; retry on another replica")
-            given = request if isinstance(request, InferenceRequest) else _decoded(request)
-        except ServingError as exc:
-            count(exc.status)
-            raise
-        run = asyncio.ensure_future(run_pipeline(self.infer, pipeline, given, timeout_s, protocol))
-        self._inflight.enter_name(pipeline.name, PIPELINE_VERSION)
-
-        def done(task: asyncio.Task[Served]) -> None:
-            self._inflight.leave_name(pipeline.name, PIPELINE_VERSION)
-            if task.cancelled():
-                count(cancelled_status(started, timeout_s))
-                return
-            error = task.exception()
-            count(200 if error is None else getattr(error, "status", 500))
-
-        run.add_done_callback(done)
-        return run
 
     def stream(
         self,
@@ -285,6 +285,7 @@ class DataPlane(DescribesModels):
         queued: list[tuple[Job, asyncio.TimerHandle]] = []
         try:
             mv = call.mv = self._serving(name, version)
+            call.labels = (mv.name, mv.version)
             if explain and not mv.explains:
                 raise MethodNotAllowed(
                     f"model {name!r} has no explanations (its handler does not implement "
