@@ -45,6 +45,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -494,7 +495,10 @@ def _in_process(backend: Any, x: Any, seconds: float) -> dict[str, float]:
 
 
 def _served_items(address: str, model: str, batch: int, seconds: float) -> float:
-    """Items per second answered to 4 gRPC clients sending `batch` rows per request."""
+    """Items per second answered to 4 gRPC clients sending `batch` rows per request: each
+    client's rate over the same `seconds`, begun once every client has a warm connection (a
+    first call that outlasts a short window must not leave it empty), and at least one call
+    each."""
     import grpc
     import numpy as np
 
@@ -502,21 +506,24 @@ def _served_items(address: str, model: str, batch: int, seconds: float) -> float
 
     rows = np.random.default_rng(2).standard_normal((batch, FEATURES)).astype(np.float32)
     request = _grpc_request(model, rows)
+    clients = 4
+    warm = threading.Barrier(clients)
 
-    def client(until: float) -> int:
-        done = 0
+    def client(_: int) -> float:
         with grpc.insecure_channel(address) as channel:
             stub = rpc.GRPCInferenceServiceStub(channel)
             stub.ModelInfer(request, timeout=60)  # a warm connection before the clock
-            while time.perf_counter() < until:
+            warm.wait(timeout=120)
+            started, done = time.perf_counter(), 0
+            while True:
                 stub.ModelInfer(request, timeout=60)
                 done += batch
-        return done
+                elapsed = time.perf_counter() - started
+                if elapsed >= seconds:
+                    return done / elapsed
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(4) as pool:
-        total = sum(pool.map(client, [started + seconds] * 4))
-    return round(total / (time.perf_counter() - started), 1)
+    with ThreadPoolExecutor(clients) as pool:
+        return round(sum(pool.map(client, range(clients))), 1)
 
 
 def _onnx_cuda_note() -> str:
