@@ -111,13 +111,15 @@ def run_child(script: str, args: Iterable[str], what: str, env: dict[str, str]) 
     done = subprocess.run(
         [sys.executable, script, *args],
         cwd=TESTS.parent,
-        env={**os.environ, "PYTHONPATH": path, **env},
+        env={**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1", **env},
         capture_output=True,
         text=True,
         check=False,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}{done.stdout[-1000:]}"
+        )
 
 
 def workdir() -> Path:

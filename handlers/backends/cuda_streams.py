@@ -72,18 +72,16 @@ class CudaRunner:
         device: torch.device,
         graphs: bool,
         bound: int | None = None,
-        relaxed: bool = False,
+        capture: Call | None = None,
     ) -> None:
         self._call = call
         self.device = device
         self.graphs = graphs
         self.bound = bound
-        self.relaxed = relaxed
-        """Capture in CUDA's relaxed mode, and call once more outside the graph after it: for
-        an AOTInductor container, whose run asks whether its model's last run has finished (an
-        event query, which the stricter modes forbid while capturing) and records that event
-        again (a query of an event last recorded during a capture fails until it is recorded
-        outside one)."""
+        self._capture = capture
+        """The call to warm up and capture graphs with, where it is not `call`: an AOTInductor
+        container's single-threaded run, which records no event (see pt2.py). Such a capture
+        runs in CUDA's relaxed mode, which lets the runtime's own calls through."""
         self._local = threading.local()
 
     def _stream(self) -> torch.cuda.Stream:
@@ -122,15 +120,14 @@ class CudaRunner:
             static = [
                 torch.zeros((size, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in inputs
             ]
+            call = self._capture or self._call
             for _ in range(2):  # lazy initialisation and autotuning happen outside the graph
-                self._call(static, stream.cuda_stream)
+                call(static, stream.cuda_stream)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            mode = "relaxed" if self.relaxed else "thread_local"
+            mode = "relaxed" if self._capture else "thread_local"
             with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
-                outputs = self._call(static, stream.cuda_stream)
-            if self.relaxed:
-                self._call(static, stream.cuda_stream)
+                outputs = call(static, stream.cuda_stream)
         log.info("captured a CUDA graph for batches of up to %d rows on %s", size, self.device)
         graphs[key] = made = _Graph(graph, static, outputs)
         return made

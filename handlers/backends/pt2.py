@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from scriptserve.handlers.backends import (
 )
 from scriptserve.handlers.runtime.aoti import AotiError, AotiLibrary
 from scriptserve.handlers.runtime.signature import SignatureError, datatype_of, numpy_dtype
+
+if TYPE_CHECKING:  # torch is imported only for CUDA models
+    from scriptserve.handlers.backends.cuda_streams import CudaRunner
 
 log = logging.getLogger("scriptserve.handlers.pt2")
 
@@ -91,13 +94,14 @@ class _Token:
     """A calling thread's place among the callers."""
 
 
-def _free(library: AotiLibrary, containers: list[_Container], workdir: Path) -> None:
-    for container in containers:
-        try:
-            library.delete(container.handle)
-        except AotiError as exc:
-            log.warning("a .pt2 model container did not unload cleanly: %s", exc)
-    containers.clear()
+def _free(library: AotiLibrary, lists: list[list[_Container]], workdir: Path) -> None:
+    for containers in lists:
+        for container in containers:
+            try:
+                library.delete(container.handle)
+            except AotiError as exc:
+                log.warning("a .pt2 model container did not unload cleanly: %s", exc)
+        containers.clear()
     library.close()
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -164,13 +168,15 @@ class Pt2Backend:
         self._dtypes = [numpy_dtype(t.datatype) for t in self._signature.inputs]
         self._workdir = Path(tempfile.mkdtemp(prefix="scriptserve-pt2-"))
         self._containers: list[_Container] = []
+        self._captures: list[_Container] = []
+        """Each worker thread's container for CUDA graphs (`_capture_call`)."""
         try:
             self._library = AotiLibrary(package.extract(self._workdir))
         except (AotiError, Pt2PackageError) as exc:
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise BackendError(f"the .pt2 model does not load: {exc}") from None
         self._finalizer = weakref.finalize(
-            self, _free, self._library, self._containers, self._workdir
+            self, _free, self._library, [self._containers, self._captures], self._workdir
         )
         try:
             self._containers.append(self._create(max(1, workers)))
@@ -196,12 +202,25 @@ class Pt2Backend:
         self._callers = _Callers()
         self._local = threading.local()
         if self._cuda:
-            from scriptserve.handlers.backends.cuda_streams import CudaRunner
+            self._cuda_runner = self._runner(options or {})
 
-            graphs = wants_cuda_graphs(options or {})
-            self._cuda_runner = CudaRunner(
-                self._call_container, self._torch_device, graphs, self.max_batch, relaxed=True
+    def _runner(self, options: Mapping[str, Any]) -> CudaRunner:
+        from scriptserve.handlers.backends.cuda_streams import CudaRunner
+
+        graphs = wants_cuda_graphs(options)
+        if graphs and not self._library.runs_single_threaded:
+            self.close()
+            raise BackendError(
+                "cuda_graphs needs a .pt2 package from torch 2.6 or later (its "
+                "single-threaded run); rebuild the archive or turn cuda_graphs off"
             )
+        return CudaRunner(
+            self._call_container,
+            self._torch_device,
+            graphs,
+            self.max_batch,
+            capture=self._capture_call,
+        )
 
     @property
     def models(self) -> int:
@@ -342,3 +361,21 @@ class Pt2Backend:
     def _call_container(self, tensors: list[Any], stream: int) -> list[Any]:
         handle = self._local.container.handle
         return self._library.run(handle, tensors, len(self.output_names), stream)
+
+    def _capture_call(self, tensors: list[Any], stream: int) -> list[Any]:
+        """A call to capture a CUDA graph with: on this thread's own one-model container, run
+        single-threaded. A shared container's run waits for and records its model's
+        "finished" event, and an event recorded inside a capture fails every later wait for
+        it. The graphs hold this container's weights, so it lives as long as the backend."""
+        container: _Container | None = getattr(self._local, "capture", None)
+        if container is None:
+            try:
+                container = self._create(1)
+            except AotiError as exc:
+                raise BackendError(str(exc)) from None
+            with self._lock:
+                self._captures.append(container)
+            self._local.capture = container
+        return self._library.run(
+            container.handle, tensors, len(self.output_names), stream, single_threaded=True
+        )

@@ -62,6 +62,9 @@ _ABI: dict[str, tuple[list[Any], Any]] = {
         ctypes.c_int32,
     ),
 }
+_SINGLE_THREADED = "AOTInductorModelContainerRunSingleThreaded"
+"""A run on the container's first model instance that neither waits for nor records its
+"finished" event: the run to capture a CUDA graph with (packages from torch 2.6 on)."""
 _LAST_ERROR = "AOTInductorGetLastError"
 """The failed call's message; packages made by earlier torch releases (2.11) do not export it."""
 
@@ -193,6 +196,12 @@ class AotiLibrary:
                 ) from None
             function.argtypes = argtypes
             function.restype = restype
+        self._single_threaded: Any = None
+        with contextlib.suppress(AttributeError):
+            self._single_threaded = getattr(self._lib, _SINGLE_THREADED)
+            self._single_threaded.argtypes, self._single_threaded.restype = _ABI[
+                "AOTInductorModelContainerRun"
+            ]
         self._last_error: Any = None
         with contextlib.suppress(AttributeError):
             self._last_error = getattr(self._lib, _LAST_ERROR)
@@ -231,11 +240,22 @@ class AotiLibrary:
     def create(self, models: int, device: str, cubin_dir: Path | None = None) -> ctypes.c_void_p:
         """A container of `models` model instances sharing one copy of the weights, on
         `device` ('cpu' or 'cuda:N'); `cubin_dir` holds a CUDA package's kernel files."""
+        if device.startswith("cuda"):
+            # The runtime allocates through torch's CUDA caching allocator, which torch sets up
+            # on its first CUDA call; a container made before that crashes the process.
+            import torch
+
+            torch.cuda.init()  # type: ignore[no-untyped-call]
         handle = ctypes.c_void_p()
         kernels = str(cubin_dir).encode() if cubin_dir is not None else None
         create = self._lib.AOTInductorModelContainerCreateWithDevice
         self._check(create(ctypes.byref(handle), models, device.encode(), kernels), "load")
         return handle
+
+    @property
+    def runs_single_threaded(self) -> bool:
+        """Whether the package has the single-threaded run (`run(single_threaded=True)`)."""
+        return self._single_threaded is not None
 
     def delete(self, container: ctypes.c_void_p) -> None:
         self._check(self._lib.AOTInductorModelContainerDelete(container), "unload")
@@ -259,9 +279,12 @@ class AotiLibrary:
         inputs: list[torch.Tensor],
         outputs: int,
         stream: int | None = None,
+        single_threaded: bool = False,
     ) -> list[torch.Tensor]:
         """Run the model on contiguous `inputs` (on the container's device); the GIL is
-        released for the call."""
+        released for the call. `single_threaded`: on the container's first model instance,
+        without its "finished" event (which a CUDA graph capture must not record); only for a
+        container that one thread alone calls."""
         import torch
 
         capsules = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)
@@ -269,7 +292,12 @@ class AotiLibrary:
             *(_capsule_pointer(c, _capsule_name(c)) for c in capsules)
         )
         results = (ctypes.c_void_p * outputs)()
-        run = self._lib.AOTInductorModelContainerRun
+        run = self._single_threaded if single_threaded else self._lib.AOTInductorModelContainerRun
+        if run is None:
+            raise AotiError(
+                "the compiled model has no single-threaded run: it was made by a torch release "
+                "before 2.6"
+            )
         self._check(run(container, handles, len(capsules), results, outputs, stream, None), "run")
         return list(
             torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(

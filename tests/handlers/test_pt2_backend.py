@@ -27,8 +27,10 @@ from testmodels import reference_output
 
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.manifest import Manifest, Pt2Info
+from scriptserve.archiver.pt2_package import read_package
 from scriptserve.handlers.backends import BackendError, load_backend
 from scriptserve.handlers.backends.pt2 import Pt2Backend
+from scriptserve.handlers.runtime.aoti import AotiLibrary
 
 # Slow: the tiny and two-input models compiled to .pt2.
 pytestmark = pytest.mark.slow
@@ -111,6 +113,24 @@ def test_outputs_match_eager_from_one_row_to_the_exported_max(tiny: Opened, batc
     assert outputs["output0"].shape == (batch, 3)
     assert outputs["output0"].dtype == np.float32
     np.testing.assert_allclose(outputs["output0"], reference_output(x), atol=1e-4, rtol=0)
+
+
+def test_the_single_threaded_run_answers_as_the_shared_run(tiny: Opened, tmp_path: Path) -> None:
+    """The run CUDA graphs are captured with (pt2.py `_capture_call`) is the package's own
+    single-threaded entry point: bound through the C ABI, it answers as the pooled run does."""
+    library = AotiLibrary(read_package(tiny.package).extract(tmp_path))
+    container = library.create(1, "cpu")
+    try:
+        assert library.runs_single_threaded
+        x = torch.from_numpy(rows(5, seed=8))
+        shared = library.run(container, [x], 1)
+        alone = library.run(container, [x], 1, single_threaded=True)
+    finally:
+        library.delete(container)
+        library.close()
+
+    torch.testing.assert_close(alone[0], shared[0], atol=0, rtol=0)
+    np.testing.assert_allclose(alone[0].numpy(), reference_output(x.numpy()), atol=1e-4, rtol=0)
 
 
 def test_outputs_own_their_memory_past_later_calls_and_the_backend_itself(tiny: Opened) -> None:
