@@ -16,16 +16,20 @@ Steps, each timed and recorded; a failed step is recorded and the next ones stil
 1. `install`: the wheels into this Python (`--no-index`), and scriptserve built from this tree
    with the machine's setuptools, afresh every run.
 2. `environment`: Python, torch and CUDA, the GPU, onnxruntime's providers.
-3. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected).
-4. `archives`: an MLP as TorchScript and as a `.pt2` compiled on this machine for the device
+3. `archives`: an MLP as TorchScript and as a `.pt2` compiled on this machine for the device
    (Inductor's cache under build/gpu-check, so a second run on a warm machine compiles less),
-   and as ONNX where onnxruntime offers CUDA.
-5. `served`: `scriptserve serve` on the device with batching; 64 concurrent requests over
+   and on a GPU a `.pt2` for the CPU as well, for `loads`.
+4. `loads`: each `.pt2` loaded and run in fresh processes, each set up differently first
+   (benchmarks/gpu_loads.py), with the native frames of any crash.
+5. `benchmark`: in-process (the backend the server uses) at batch 1, 8 and 64 for each format,
+   TorchScript and `.pt2` with and without CUDA graphs.
+6. `served`: `scriptserve serve` on the device with batching; 64 concurrent requests over
    REST (OIP JSON) and 64 over gRPC (`ModelInfer`) to each model, every answer checked against
    the model run on the CPU, and the batches they shared read from /metrics.
-6. `benchmark`: in-process (the backend the server uses) at batch 1, 8 and 64 for each format,
-   TorchScript and `.pt2` with and without CUDA graphs; served at batch 64 over gRPC
-   (4 clients), as items/s and as a share of the in-process figure.
+7. `served_benchmark`: the `.pt2` served at batch 64 over gRPC (4 clients), as items/s and as
+   a share of the in-process figure.
+8. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected), last because it is
+   the longest.
 
 Writes benchmarks/results/gpu-<date>.json (with `--dry-run`, build/gpu-check/gpu-dry-run.json)
 and exits 1 when a step failed. Only the standard library is imported before `install`.
@@ -88,6 +92,14 @@ TOLERANCE = 2e-3
 """Largest difference allowed between an answer and the CPU's (TF32 and kernel choice on GPUs)."""
 
 
+class StepFailed(RuntimeError):
+    """A step that failed with findings worth keeping in its record."""
+
+    def __init__(self, message: str, found: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.found = found
+
+
 class Check:
     """The steps' results, in the order they ran."""
 
@@ -98,7 +110,10 @@ class Check:
         self.device = "cpu" if dry_run else "cuda:0"
         self.steps: dict[str, dict[str, Any]] = {}
         self.archives: dict[str, Path] = {}
+        self.in_process: dict[str, Any] = {}
+        """The `benchmark` step's figures, which `served_benchmark` compares with."""
         self.store = WORK / "store"
+        self.probe_dir = WORK / "probe"
         self.when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
         self.out: Path | None = None
         self.logs = WORK
@@ -109,6 +124,8 @@ class Check:
         started = time.perf_counter()
         try:
             record: dict[str, Any] = {"ok": True, **work()}
+        except StepFailed as exc:
+            record = {"ok": False, "error": str(exc), **exc.found}
         except (Exception, SystemExit) as exc:  # a command-line tool's exit fails the step only
             record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc()
@@ -131,7 +148,7 @@ class Check:
         out.write_text(json.dumps(result, indent=2) + "\n")
         return all(s["ok"] for s in self.steps.values())
 
-    # -- 1 ------------------------------------------------------------------------------------
+    # -- environment ------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
         import torch
 
@@ -156,7 +173,7 @@ class Check:
             found["onnxruntime_providers"] = onnxruntime.get_available_providers()
         return found
 
-    # -- 2 ------------------------------------------------------------------------------------
+    # -- install ----------------------------------------------------------------------------------
     def install(self) -> dict[str, Any]:
         if self.wheels is None:
             if importlib.util.find_spec("scriptserve") is None:
@@ -198,7 +215,7 @@ class Check:
         _pip(pip, ["--no-deps", "--force-reinstall", str(wheel)])
         return {"installed": [wheel.name, *TRAVEL]}
 
-    # -- 3 ------------------------------------------------------------------------------------
+    # -- tests ------------------------------------------------------------------------------------
     def tests(self) -> dict[str, Any]:
         runnable, not_run = [], {}
         for path, modules in GPU_TESTS.items():
@@ -233,7 +250,7 @@ class Check:
             raise RuntimeError(f"pytest -m gpu ran nothing on the GPU: {tail}")
         return {"summary": tail, **counts, "not_run": not_run}
 
-    # -- 4 ------------------------------------------------------------------------------------
+    # -- archives ---------------------------------------------------------------------------------
     def make_archives(self) -> dict[str, Any]:
         import torch
 
@@ -295,10 +312,35 @@ class Check:
         if model_archiver_main(argv) != 0:
             raise RuntimeError(f"model-archiver failed to compile the .pt2 for {device}")
         made["pt2_compile_s"] = round(time.perf_counter() - started, 1)
+        if device == "cuda":  # a CPU package too, for `loads`; outside the served store
+            started = time.perf_counter()
+            cpu_argv = [*argv[: argv.index("--pt2-device")], "--pt2-device", "cpu", *common]
+            cpu_argv[cpu_argv.index("mlp_pt2")] = "mlp_pt2_cpu"
+            cpu_argv[cpu_argv.index("--export-path") + 1] = str(self.probe_dir)
+            self.probe_dir.mkdir(parents=True, exist_ok=True)
+            if model_archiver_main(cpu_argv) != 0:
+                raise RuntimeError("model-archiver failed to compile the .pt2 for cpu")
+            made["pt2_cpu_compile_s"] = round(time.perf_counter() - started, 1)
         stamp.write_text(made_with)
         return made
 
-    # -- 5 ------------------------------------------------------------------------------------
+    # -- loads ------------------------------------------------------------------------------------
+    def loads(self) -> dict[str, Any]:
+        """The `.pt2` packages loaded and run in fresh processes, each set up differently first
+        (benchmarks/gpu_loads.py): a crash names the set-up a container needs."""
+        from benchmarks import gpu_loads
+
+        archives = [(self.archives["pt2"], FEATURES)]
+        cpu = self.probe_dir / "mlp_pt2_cpu.mar"
+        if self.device.startswith("cuda") and cpu.exists():
+            archives.append((cpu, FEATURES))
+        found = gpu_loads.probe(archives)
+        failed = gpu_loads.crashed(found)
+        if failed:
+            raise StepFailed(f"{len(failed)} fresh processes failed: {', '.join(failed)}", found)
+        return found
+
+    # -- served -----------------------------------------------------------------------------------
     def served(self) -> dict[str, Any]:
         import numpy as np
 
@@ -341,7 +383,7 @@ class Check:
         server.grpc_address = f"127.0.0.1:{grpc}"
         return server
 
-    # -- 6 ------------------------------------------------------------------------------------
+    # -- benchmark --------------------------------------------------------------------------------
     def benchmark(self) -> dict[str, Any]:
         import numpy as np
 
@@ -368,14 +410,20 @@ class Check:
                         figure = _in_process(backend, x, self.seconds / 2)
                         figures[f"{fmt}{suffix}_b{batch}"] = figure
         figures["onnx_cuda"] = _onnx_cuda_note()
+        self.in_process = figures
+        return figures
+
+    # -- served_benchmark -------------------------------------------------------------------------
+    def served_benchmark(self) -> dict[str, Any]:
         with self._server() as server:
             served = _served_items(server.grpc_address, "mlp_pt2", 64, self.seconds)
-        inprocess = figures["pt2_b64"]["items_per_s"]
-        figures["pt2_served_b64"] = {
-            "items_per_s": served,
-            "of_in_process": round(served / inprocess, 3) if inprocess else None,
+        inprocess = self.in_process.get("pt2_b64", {}).get("items_per_s")
+        return {
+            "pt2_served_b64": {
+                "items_per_s": served,
+                "of_in_process": round(served / inprocess, 3) if inprocess else None,
+            }
         }
-        return figures
 
 
 MODEL_FILE = f"""
@@ -610,11 +658,13 @@ def main(argv: list[str] | None = None) -> int:
     check.step("environment", check.environment)
     if not (check.steps["install"]["ok"] and check.steps["environment"]["ok"]):
         return _write(check, args)
-    check.step("tests", check.tests)
     check.step("archives", check.make_archives)
     if check.steps["archives"]["ok"]:
-        check.step("served", check.served)
+        check.step("loads", check.loads)
         check.step("benchmark", check.benchmark)
+        check.step("served", check.served)
+        check.step("served_benchmark", check.served_benchmark)
+    check.step("tests", check.tests)
     return _write(check, args)
 
 

@@ -31,7 +31,16 @@ def test_the_dry_run_goes_through_every_step_on_the_cpu(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     steps = result["steps"]
-    assert list(steps) == ["install", "environment", "tests", "archives", "served", "benchmark"]
+    assert list(steps) == [
+        "install",
+        "environment",
+        "archives",
+        "loads",
+        "benchmark",
+        "served",
+        "served_benchmark",
+        "tests",
+    ]
     assert all(step["ok"] for step in steps.values()), steps
     assert result["dry_run"] is True and result["device"] == "cpu"
     assert steps["tests"]["collected"] >= 10  # every gpu test, which the GPU machine runs
@@ -44,7 +53,11 @@ def test_the_dry_run_goes_through_every_step_on_the_cpu(
     for fmt in ("torchscript", "pt2"):
         for batch in gpu_check.BATCHES:
             assert figures[f"{fmt}_b{batch}"]["items_per_s"] > 0
-    assert figures["pt2_served_b64"]["of_in_process"] > 0
+    assert steps["served_benchmark"]["pt2_served_b64"]["of_in_process"] > 0
+    loads = steps["loads"]["mlp_pt2"]  # the CPU's package, loaded and run in fresh processes
+    assert loads["device"] == "cpu"
+    for setup in ("plain", "onnxruntime", "torchscript", "inductor", "plain+bind_now"):
+        assert loads[setup] == {"exit": 0, "reached": ["loaded", "created", "ran"]}, setup
     assert figures["onnx_cuda"].startswith("not measured")  # this onnxruntime is the CPU build
 
 
