@@ -95,16 +95,23 @@ def segv_handler(workdir: Path) -> Path | None:
 
 
 def load_in_fresh_processes(
-    so: Path, device: str, kernels: Path | None, features: int, workdir: Path
+    so: Path,
+    device: str,
+    kernels: Path | None,
+    features: int,
+    workdir: Path,
+    setups: tuple[str, ...] = SETUPS,
 ) -> dict[str, Any]:
-    """One fresh process per set-up (and one more with the libraries bound at load, and one
-    with the native frames of a crash): each one's end and the last of what it printed."""
+    """One fresh process per set-up (the CUDA ones only on a GPU; with every set-up, one more
+    with the libraries bound at load), and one with the native frames of a crash: each one's
+    end, the steps it reached and, where it failed, the last of what it printed."""
     handler = segv_handler(workdir)
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     runs: list[tuple[str, dict[str, str]]] = [
-        (s, env) for s in SETUPS if device.startswith("cuda") or not s.startswith("cuda")
+        (s, env) for s in setups if device.startswith("cuda") or not s.startswith("cuda")
     ]
-    runs.append(("plain+bind_now", {**env, "LD_BIND_NOW": "1"}))
+    if setups == SETUPS:
+        runs.append(("plain+bind_now", {**env, "LD_BIND_NOW": "1"}))
     if handler is not None:
         native = {k: v for k, v in env.items() if k != "PYTHONFAULTHANDLER"}
         runs.append(("plain+native_frames", {**native, "LD_PRELOAD": str(handler)}))
@@ -148,17 +155,17 @@ def extracted(archive: Path, dest: Path) -> tuple[Path, str]:
         return package.extract(dest), package.device
 
 
-def probe(archives: list[tuple[Path, int]], device_index: int = 0) -> dict[str, Any]:
+def probe(archives: list[tuple[Path, int]], setups: tuple[str, ...] = SETUPS) -> dict[str, Any]:
     """For each (archive, input width): its package loaded in fresh processes."""
     found: dict[str, Any] = {}
     for archive, features in archives:
         with tempfile.TemporaryDirectory(prefix="scriptserve-loads-") as tmp:
             so, kind = extracted(archive, Path(tmp))
-            device = f"cuda:{device_index}" if kind == "cuda" else "cpu"
+            device = "cuda:0" if kind == "cuda" else "cpu"
             kernels = Path(tmp) if kind == "cuda" else None
             found[archive.stem] = {
                 "device": device,
-                **load_in_fresh_processes(so, device, kernels, features, Path(tmp)),
+                **load_in_fresh_processes(so, device, kernels, features, Path(tmp), setups),
             }
     return found
 
