@@ -70,7 +70,7 @@ TRAVEL = [
     "grpcio-health-checking>=1.85.1", "grpcio-reflection>=1.85.1",
     "googleapis-common-protos>=1.63", "pillow>=10.0", "filelock>=3.12", "httpx>=0.27",
     # the check itself and the gpu-marked tests; setuptools builds scriptserve there
-    "pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "setuptools>=68",
+    "pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "setuptools>=77",
 ]  # fmt: skip
 """Requirements whose cp312 wheels travel (with their own dependencies). torch and onnxruntime
 are the machine's; torchao (int8), onnx (ONNX export) and tokenizers (text handlers) are left
