@@ -107,7 +107,7 @@ class Call:
         except ServingError as exc:
             self.count(exc.status)
             raise
-        plane._inflight.enter_name(*self.labels)
+        plane._inflight.enter(*self.labels)
         future = self.job.future
         note_answered_when(future)
         future.add_done_callback(self.end)
@@ -137,7 +137,7 @@ class Call:
             raise
         run = run_pipeline(plane.infer, pipeline, given, self.timeout_s, self.protocol)
         task = asyncio.ensure_future(run)
-        plane._inflight.enter_name(*self.labels)
+        plane._inflight.enter(*self.labels)
         task.add_done_callback(self.end)
         return task
 
@@ -151,7 +151,7 @@ class Call:
             self.timer.cancel()
             if future.cancelled():
                 mv.batcher.cancel(self.job)  # the client went away: free its slot if queued
-        self.plane._inflight.leave_name(*labels)
+        self.plane._inflight.leave(*labels)
         if future.cancelled():
             status = cancelled_status(self.started, self.timeout_s)
         else:
@@ -300,12 +300,12 @@ class DataPlane(DescribesModels):
                 )
             for request in requests:
                 queued.append(self._enqueue(mv, request, timeout_s))
-            self._inflight.enter(mv)
+            self._inflight.enter(*call.labels)
             try:
                 futures = [job.future for job, _ in queued]
                 await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
             finally:
-                self._inflight.leave(mv)
+                self._inflight.leave(*call.labels)
                 note_answered()
             for i, future in enumerate(futures):
                 error = future.exception() if future.done() else None

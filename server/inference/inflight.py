@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-from scriptserve.server.models.registry import ModelVersion
-
 
 class InFlight:
     """The count of requests in flight per (model, version), and the moment it reaches zero."""
@@ -24,19 +22,13 @@ class InFlight:
     def of(self, name: str, version: str) -> int:
         return self._counts.get((name, version), 0)
 
-    def enter(self, mv: ModelVersion) -> None:
-        self.enter_name(mv.name, mv.version)
-
-    def leave(self, mv: ModelVersion) -> None:
-        self.leave_name(mv.name, mv.version)
-
-    def enter_name(self, name: str, version: str) -> None:
-        """`enter` by name: a pipeline's request, which is no model version's."""
+    def enter(self, name: str, version: str) -> None:
+        """A request to the model version (or the pipeline) `name` `version` is in flight."""
         key = (name, version)
         self._counts[key] = self._counts.get(key, 0) + 1
         self._idle.clear()
 
-    def leave_name(self, name: str, version: str) -> None:
+    def leave(self, name: str, version: str) -> None:
         key = (name, version)
         left = self._counts[key] - 1
         if left:
