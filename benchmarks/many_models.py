@@ -423,11 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{budget / 2**20:.0f} MiB ({lazy_figures['peak_rss_bytes'] / budget:.2f}x); warm p99 "
         f"{warm_p99:.1f} ms against {base_p99:.1f} ms preloaded ({warm_p99 / base_p99:.2f}x)"
     )
-    for name, met in targets.items():
-        print(f"  {name}: {'met' if met else 'MISSED'}")
-    host = report.host(load_before)
-    host["cpu"] = cpu_line()
-    print(report.host_line(host) + f"; {host['cpu']}")
+    host = report.closing(targets, load_before, cpu_line())
     report.write_results(
         "many_models",
         {

@@ -259,11 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{medians['chained']['throughput_rps']:.0f} ({ratio:.2f}x); p99 "
         f"{medians['workflow']['p99_ms']:.0f} against {medians['chained']['p99_ms']:.0f} ms"
     )
-    for name, met in targets.items():
-        print(f"  {name}: {'met' if met else 'MISSED'}")
-    host = report.host(load_before)
-    host["cpu"] = cpu_line()
-    print(report.host_line(host) + f"; {host['cpu']}")
+    host = report.closing(targets, load_before, cpu_line())
     report.write_results(
         "pipelines",
         {

@@ -110,6 +110,18 @@ def host(load_before: tuple[float, float, float]) -> dict[str, Any]:
     }
 
 
+def closing(
+    targets: Mapping[str, bool], load_before: tuple[float, float, float], cpu: str
+) -> dict[str, Any]:
+    """Print each target, met or MISSED, and the host line with its CPU (model and ISA); the
+    host as the results file records it."""
+    for name, met in targets.items():
+        print(f"  {name}: {'met' if met else 'MISSED'}")
+    found = {**host(load_before), "cpu": cpu}
+    print(host_line(found) + f"; {cpu}")
+    return found
+
+
 def write_results(kind: str, document: Mapping[str, Any]) -> Path:
     """`document` as benchmarks/results/<kind>-<date and minute>.json; says where on stdout."""
     RESULTS.mkdir(exist_ok=True)
