@@ -23,12 +23,12 @@ Steps, each timed and recorded; a failed step is recorded and the next ones stil
    (benchmarks/gpu_loads.py), with the native frames of any crash.
 5. `benchmark`: in-process (the backend the server uses) at batch 1, 8 and 64 for each format,
    TorchScript and `.pt2` with and without CUDA graphs.
-6. `served`: `scriptserve serve` on the device with batching; 64 concurrent requests over
-   REST (OIP JSON) and 64 over gRPC (`ModelInfer`) to each model, every answer checked against
-   the model run on the CPU, and the batches they shared read from /metrics.
-7. `served_benchmark`: the `.pt2` served at batch 64 over gRPC (4 clients), as items/s and as
-   a share of the in-process figure.
-8. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected), last because it is
+6. `served`: `scriptserve serve` on the device with batching, one server per model (a model
+   that brings its server down does not hide the other's result); 64 concurrent requests over
+   REST (OIP JSON) and 64 over gRPC (`ModelInfer`), every answer checked against the model run
+   on the CPU, the batches they shared read from /metrics; and the `.pt2` served at batch 64
+   over gRPC (4 clients), as items/s and as a share of the in-process figure.
+7. `tests`: every `gpu`-marked test (`pytest -m gpu`; dry, only collected), last because it is
    the longest.
 
 Writes benchmarks/results/gpu-<date>.json (with `--dry-run`, build/gpu-check/gpu-dry-run.json)
@@ -111,7 +111,7 @@ class Check:
         self.steps: dict[str, dict[str, Any]] = {}
         self.archives: dict[str, Path] = {}
         self.in_process: dict[str, Any] = {}
-        """The `benchmark` step's figures, which `served_benchmark` compares with."""
+        """The `benchmark` step's figures, which `served` compares its own with."""
         self.store = WORK / "store"
         self.probe_dir = WORK / "probe"
         self.when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
@@ -342,57 +342,17 @@ class Check:
             raise StepFailed(f"{len(failed)} fresh processes failed: {', '.join(failed)}", found)
         return found
 
-    # -- served -----------------------------------------------------------------------------------
-    def served(self) -> dict[str, Any]:
-        import numpy as np
-
-        rows = np.random.default_rng(0).standard_normal((64, FEATURES)).astype(np.float32)
-        expected = _reference(rows)
-        checked: dict[str, Any] = {}
-        with self._server() as server:
-            _wait_ready(server.url, "mlp_ts")
-            for model in ("mlp_ts", "mlp_pt2"):
-                rest = asyncio.run(_rest_answers(server.url, model, rows))
-                grpc = _grpc_answers(server.grpc_address, model, rows)
-                for how, got in (("rest", rest), ("grpc", grpc)):
-                    worst = float(np.abs(got - expected).max())
-                    if worst > TOLERANCE:
-                        raise RuntimeError(f"{model} over {how}: off by {worst:.2e} from the CPU")
-                    checked[f"{model}_{how}_max_diff"] = worst
-            total, batches = server.batch_counts()
-        checked["mean_batch"] = round(total / batches, 2) if batches else 0.0
-        if checked["mean_batch"] <= 1.0:
-            raise RuntimeError("the 256 concurrent requests were never batched together")
-        return checked
-
-    def _server(self) -> Any:
-        from benchmarks.servers import ServerProcess, free_port
-
-        port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
-        argv = [
-            sys.executable, "-m", "scriptserve", "serve", "--model-store", str(self.store),
-            "--models", "all", "--device", "cuda" if self.device.startswith("cuda") else "cpu",
-            "--inference-address", f"127.0.0.1:{port}",
-            "--management-address", f"127.0.0.1:{mgmt}",
-            "--metrics-address", f"127.0.0.1:{metrics}",
-            "--grpc-inference-address", f"127.0.0.1:{grpc}",
-            "--grpc-management-address", f"127.0.0.1:{grpc_mgmt}",
-            "--workers", "1", "--max-batch-size", "64", "--max-batch-delay", "5",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        server = ServerProcess("gpu-check", argv, port, "/v2/models/mlp_pt2/ready", {})
-        server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        server.grpc_address = f"127.0.0.1:{grpc}"
-        return server
-
     # -- benchmark --------------------------------------------------------------------------------
     def benchmark(self) -> dict[str, Any]:
+        """In-process figures of each format and variant; one that fails is recorded with its
+        error and the others still measured."""
         import numpy as np
 
         from scriptserve.archiver.archive import open_archive
         from scriptserve.handlers.backends import load_backend
 
         figures: dict[str, Any] = {}
+        failed: list[str] = []
         rng = np.random.default_rng(1)
         variants = [("", {})]
         if self.device.startswith("cuda"):
@@ -404,28 +364,91 @@ class Check:
                 manifest = reader.manifest
                 path = reader.root / manifest.model.serialized_file
                 for suffix, options in variants:
-                    backend = load_backend(
-                        path, manifest.model_format, self.device, 1, options, manifest=manifest
-                    )
-                    for batch in BATCHES:
-                        x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
-                        figure = _in_process(backend, x, self.seconds / 2)
-                        figures[f"{fmt}{suffix}_b{batch}"] = figure
+                    try:
+                        backend = load_backend(
+                            path, manifest.model_format, self.device, 1, options, manifest=manifest
+                        )
+                        for batch in BATCHES:
+                            x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
+                            figure = _in_process(backend, x, self.seconds / 2)
+                            figures[f"{fmt}{suffix}_b{batch}"] = figure
+                    except Exception as exc:
+                        failed.append(f"{fmt}{suffix}")
+                        figures[f"{fmt}{suffix}_error"] = f"{type(exc).__name__}: {exc}"
         figures["onnx_cuda"] = _onnx_cuda_note()
         self.in_process = figures
+        if failed:
+            raise StepFailed(f"in-process runs failed: {', '.join(failed)}", figures)
         return figures
 
-    # -- served_benchmark -------------------------------------------------------------------------
-    def served_benchmark(self) -> dict[str, Any]:
-        with self._server() as server:
-            served = _served_items(server.grpc_address, "mlp_pt2", 64, self.seconds)
-        inprocess = self.in_process.get("pt2_b64", {}).get("items_per_s")
-        return {
-            "pt2_served_b64": {
-                "items_per_s": served,
-                "of_in_process": round(served / inprocess, 3) if inprocess else None,
-            }
-        }
+    # -- served -----------------------------------------------------------------------------------
+    def served(self) -> dict[str, Any]:
+        """Each model in a server of its own (a model that brings its server down does not hide
+        the other's result): answers checked, batching read from /metrics, and the `.pt2`'s
+        throughput served at batch 64."""
+        import numpy as np
+
+        rows = np.random.default_rng(0).standard_normal((64, FEATURES)).astype(np.float32)
+        expected = _reference(rows)
+        found: dict[str, Any] = {}
+        failed: list[str] = []
+        for model in ("mlp_ts", "mlp_pt2"):
+            try:
+                found[model] = self._served_model(model, rows, expected)
+            except Exception as exc:
+                failed.append(model)
+                found[model] = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
+                traceback.print_exc()
+        if failed:
+            raise StepFailed(f"served: {', '.join(failed)} failed", found)
+        return found
+
+    def _served_model(self, model: str, rows: Any, expected: Any) -> dict[str, Any]:
+        import numpy as np
+
+        checked: dict[str, Any] = {}
+        with self._server(model) as server:
+            for how, got in (
+                ("rest", asyncio.run(_rest_answers(server.url, model, rows))),
+                ("grpc", _grpc_answers(server.grpc_address, model, rows)),
+            ):
+                worst = float(np.abs(got - expected).max())
+                if worst > TOLERANCE:
+                    raise RuntimeError(f"{model} over {how}: off by {worst:.2e} from the CPU")
+                checked[f"{how}_max_diff"] = worst
+            total, batches = server.batch_counts()
+            checked["mean_batch"] = round(total / batches, 2) if batches else 0.0
+            if checked["mean_batch"] <= 1.0:
+                raise RuntimeError("the 128 concurrent requests were never batched together")
+            if model == "mlp_pt2":
+                served = _served_items(server.grpc_address, model, 64, self.seconds)
+                inprocess = self.in_process.get("pt2_b64", {}).get("items_per_s")
+                checked["served_b64"] = {
+                    "items_per_s": served,
+                    "of_in_process": round(served / inprocess, 3) if inprocess else None,
+                }
+        return checked
+
+    def _server(self, model: str) -> Any:
+        from benchmarks.servers import ServerProcess, free_port
+
+        port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+        argv = [
+            sys.executable, "-m", "scriptserve", "serve", "--model-store", str(self.store),
+            "--models", f"{model}.mar",
+            "--device", "cuda" if self.device.startswith("cuda") else "cpu",
+            "--inference-address", f"127.0.0.1:{port}",
+            "--management-address", f"127.0.0.1:{mgmt}",
+            "--metrics-address", f"127.0.0.1:{metrics}",
+            "--grpc-inference-address", f"127.0.0.1:{grpc}",
+            "--grpc-management-address", f"127.0.0.1:{grpc_mgmt}",
+            "--workers", "1", "--max-batch-size", "64", "--max-batch-delay", "5",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        server = ServerProcess("gpu-check", argv, port, f"/v2/models/{model}/ready", {})
+        server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        server.grpc_address = f"127.0.0.1:{grpc}"
+        return server
 
 
 MODEL_FILE = f"""
@@ -665,7 +688,6 @@ def main(argv: list[str] | None = None) -> int:
         check.step("loads", check.loads)
         check.step("benchmark", check.benchmark)
         check.step("served", check.served)
-        check.step("served_benchmark", check.served_benchmark)
     check.step("tests", check.tests)
     return _write(check, args)
 

@@ -109,7 +109,7 @@ def test_cache_is_reused_and_keyed_by_options(tmp_path: Path) -> None:
 def test_replicas_sharing_a_cache_convert_once(tmp_path: Path) -> None:
     src = save_torchscript(tmp_path / "tiny.pt")
     cache = tmp_path / "cache"
-    replicas = [_start_replica(src, cache, tmp_path / f"replica{i}.log") for i in range(3)]
+    replicas = [_start_replica(src, cache, tmp_path / f"replica{i}.log") for i in range(2)]
     try:
         for proc in replicas:
             assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
@@ -122,14 +122,14 @@ def test_replicas_sharing_a_cache_convert_once(tmp_path: Path) -> None:
         for proc in replicas:
             proc.kill()
             proc.wait()
-    logs = "".join((tmp_path / f"replica{i}.log").read_text() for i in range(3))
-    assert [proc.returncode for proc in replicas] == [0, 0, 0], logs
+    logs = "".join((tmp_path / f"replica{i}.log").read_text() for i in range(2))
+    assert [proc.returncode for proc in replicas] == [0, 0], logs
     results = [json.loads(out) for out in outputs]
 
-    # One replica converted; the others waited for it and served its entry.
-    assert sorted(r["report"]["cached"] for r in results) == [False, True, True], logs
+    # One replica converted; the other waited for it and served its entry.
+    assert sorted(r["report"]["cached"] for r in results) == [False, True], logs
     assert logs.count("converted tiny.pt to dynamic int8") == 1, logs
-    assert logs.count("loaded from the cache") == 2, logs
+    assert logs.count("loaded from the cache") == 1, logs
     # Every replica serves the same file, and it is the file the report describes.
     paths = {Path(r["path"]) for r in results}
     assert len(paths) == 1

@@ -38,7 +38,6 @@ def test_the_dry_run_goes_through_every_step_on_the_cpu(
         "loads",
         "benchmark",
         "served",
-        "served_benchmark",
         "tests",
     ]
     assert all(step["ok"] for step in steps.values()), steps
@@ -47,13 +46,13 @@ def test_the_dry_run_goes_through_every_step_on_the_cpu(
     served = steps["served"]
     for model in ("mlp_ts", "mlp_pt2"):
         for how in ("rest", "grpc"):
-            assert served[f"{model}_{how}_max_diff"] <= gpu_check.TOLERANCE
-    assert served["mean_batch"] > 1.0
+            assert served[model][f"{how}_max_diff"] <= gpu_check.TOLERANCE
+        assert served[model]["mean_batch"] > 1.0
     figures = steps["benchmark"]
     for fmt in ("torchscript", "pt2"):
         for batch in gpu_check.BATCHES:
             assert figures[f"{fmt}_b{batch}"]["items_per_s"] > 0
-    assert steps["served_benchmark"]["pt2_served_b64"]["of_in_process"] > 0
+    assert served["mlp_pt2"]["served_b64"]["of_in_process"] > 0
     loads = steps["loads"]["mlp_pt2"]  # the CPU's package, loaded and run in fresh processes
     assert loads["device"] == "cpu"
     for setup in ("plain", "plain+native_frames"):
@@ -90,3 +89,15 @@ def test_each_step_is_written_as_it_ends_and_an_exit_fails_only_its_step(tmp_pat
     written = json.loads(check.out.read_text())["steps"]
     assert list(written) == ["archives", "served"]
     assert written["served"]["ok"] is True and written["served"]["mean_batch"] == 3.0
+
+    # A step that fails part-way keeps what it found (the other model's answers, the native
+    # frames of a crash) beside its error.
+    def half_served() -> dict[str, object]:
+        found = {"mlp_ts": {"mean_batch": 4.0}, "mlp_pt2": {"error": "exited -11"}}
+        raise gpu_check.StepFailed("served: mlp_pt2 failed", found)
+
+    check.step("served", half_served)
+    written = json.loads(check.out.read_text())["steps"]["served"]
+    assert written["ok"] is False and written["error"] == "served: mlp_pt2 failed"
+    assert written["mlp_ts"] == {"mean_batch": 4.0}
+    assert written["mlp_pt2"] == {"error": "exited -11"}
