@@ -47,8 +47,10 @@ _ESCAPES = _escape_table()
 
 def escape_controls(text: str) -> str:
     """`text` with C0 and C1 control characters, DEL and the Unicode line and paragraph
-    separators written as escapes: the result is one line."""
-    return text.translate(_ESCAPES)
+    separators written as escapes: the result is one line. Every character it escapes is one
+    Python calls unprintable, so a printable text (almost every line) is returned as it is after
+    one scan in C, not translated character by character (5 us of an access line's 6)."""
+    return text if text.isprintable() else text.translate(_ESCAPES)
 
 
 def _exception_texts(root: traceback.TracebackException) -> set[str]:

@@ -202,6 +202,20 @@ def test_the_formatter_escapes_every_control_character_of_the_message() -> None:
     assert escape_controls("plain text, é and ü") == "plain text, é and ü"
 
 
+def test_no_character_that_ends_or_breaks_a_line_skips_the_escaping() -> None:
+    """A text Python calls printable is returned as it is (the access log's fast path): every
+    character of the Basic Multilingual Plane and the next plane, alone and inside printable
+    text, is escaped exactly as the full translation escapes it."""
+    table = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+    table.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+    table.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+    for code in range(0x20000):
+        if 0xD800 <= code <= 0xDFFF:
+            continue  # surrogates are not characters
+        text = f"model=m{chr(code)}x"
+        assert escape_controls(text) == text.translate(table), hex(code)
+
+
 def test_the_formatter_keeps_traceback_lines_and_escapes_exception_messages() -> None:
     def emit(log: logging.Logger) -> None:
         try:
