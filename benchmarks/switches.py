@@ -1,7 +1,7 @@
 """What the access log and tracing cost scenario A: the same tree with both off, with the access
-log on (JSON lines to a file), with tracing on at a sampling ratio of 0.01 and of 0 (and, with
-`--all`, every trace sampled; given `--before`, another tree with both off), each loaded in
-turn by wrk round after round, as benchmarks/ab.py does.
+log on (JSON lines to a file, and plain lines, the default), with tracing on at a sampling
+ratio of 0.01 and of 0 (and, with `--all`, every trace sampled; given `--before`, another tree
+with both off), each loaded in turn by wrk round after round, as benchmarks/ab.py does.
 
     python -m benchmarks.switches [--before /tmp/before-venv/bin/python] [--rounds 6] [--all]
 
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             configurations = {
                 "off": {},
                 "access-log": access,
+                # The server's default format: plain lines.
+                "access-log-plain": {**access, "SCRIPTSERVE_ACCESS_LOG_FORMAT": "plain"},
                 "tracing-0.01": traced(endpoint, 0.01),
                 "tracing-0": traced(endpoint, 0.0),
             }
