@@ -5,8 +5,9 @@ The first GPU runs showed a package that loads in a process that has done other 
 (the check itself, pytest) crash while its container is made in a fresh one (model-archiver's
 check, the server, a child compiling the tests' CPU packages). Each variant here is one fresh
 process: what it set up, how it ended, what it printed, and, where it crashed, the native frames
-(a SIGSEGV handler preloaded into it prints them), so one run on the GPU machine says which
-set-up a container needs.
+(a SIGSEGV handler preloaded into it prints them); beside them, how `ldd` resolves the model's
+libraries and which libraries a fresh process initialised (`LD_DEBUG=libs`). One run on the GPU
+machine then says which set-up a container needs.
 """
 
 from __future__ import annotations
@@ -110,12 +111,17 @@ def load_in_fresh_processes(
     runs: list[tuple[str, dict[str, str]]] = [
         (s, env) for s in setups if device.startswith("cuda") or not s.startswith("cuda")
     ]
+    loader_log = workdir / "ld-debug"
     if setups == SETUPS:
         runs.append(("plain+bind_now", {**env, "LD_BIND_NOW": "1"}))
+        # The dynamic loader's own account: every library the process initialised, in order
+        # (a second OpenMP or C++ runtime, a library from an unexpected place).
+        libraries = {**env, "LD_DEBUG": "libs", "LD_DEBUG_OUTPUT": str(loader_log)}
+        runs.append(("plain+libraries", libraries))
     if handler is not None:
         native = {k: v for k, v in env.items() if k != "PYTHONFAULTHANDLER"}
         runs.append(("plain+native_frames", {**native, "LD_PRELOAD": str(handler)}))
-    found: dict[str, Any] = {"native_frames": handler is not None}
+    found: dict[str, Any] = {"native_frames": handler is not None, "ldd": _ldd(so)}
     for name, run_env in runs:
         setup = name.partition("+")[0]
         argv = [sys.executable, "-c", CHILD, str(so), device, str(kernels or "-"), setup]
@@ -138,7 +144,29 @@ def load_in_fresh_processes(
             record["stderr"] = head[-2500:]
             if marker:  # the innermost frames first, where the crash is
                 record["native_frames"] = frames.strip().splitlines()[:30]
+        if name == "plain+libraries":
+            record["initialised"] = _initialised(loader_log)
         found[name] = record
+    return found
+
+
+def _ldd(so: Path) -> list[str]:
+    """How the dynamic loader resolves the compiled model's libraries, outside any process."""
+    if shutil.which("ldd") is None:
+        return ["ldd is not installed"]
+    done = subprocess.run(["ldd", str(so)], capture_output=True, text=True, check=False)
+    return [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+
+
+def _initialised(log: Path) -> list[str]:
+    """The libraries LD_DEBUG=libs says the process initialised, in order (its file is named
+    after the process id)."""
+    found: list[str] = []
+    for path in sorted(log.parent.glob(f"{log.name}.*")):
+        for line in path.read_text(errors="replace").splitlines():
+            _, marker, library = line.partition("calling init: ")
+            if marker:
+                found.append(library.strip())
     return found
 
 
