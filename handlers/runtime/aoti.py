@@ -240,12 +240,6 @@ class AotiLibrary:
     def create(self, models: int, device: str, cubin_dir: Path | None = None) -> ctypes.c_void_p:
         """A container of `models` model instances sharing one copy of the weights, on
         `device` ('cpu' or 'cuda:N'); `cubin_dir` holds a CUDA package's kernel files."""
-        if device.startswith("cuda"):
-            # The runtime allocates through torch's CUDA caching allocator, which torch sets up
-            # on its first CUDA call; a container made before that crashes the process.
-            import torch
-
-            torch.cuda.init()  # type: ignore[no-untyped-call]
         handle = ctypes.c_void_p()
         kernels = str(cubin_dir).encode() if cubin_dir is not None else None
         create = self._lib.AOTInductorModelContainerCreateWithDevice
