@@ -14,6 +14,7 @@ describes it: the signature from that run, and the build record the manifest kee
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import tempfile
@@ -49,12 +50,16 @@ class Pt2Build:
 
 
 def call_model(model: Any, named: Mapping[str, np.ndarray], device: str = "cpu") -> Any:
-    """`model` on the named arrays: an eager model by keyword, as model-archiver exports it;
-    an exported program's module (a GraphModule) in order, as it was exported."""
+    """`model` on the named arrays: an eager model by keyword, as model-archiver exports it
+    (arrays named generically, `input0`..., as a sample in a JSON list is, in order: forward's
+    arguments, as `pt2_export.export_model` binds them); an exported program's module (a
+    GraphModule) in order, as it was exported."""
     import torch
 
     tensors = {n: torch.from_numpy(np.ascontiguousarray(a)).to(device) for n, a in named.items()}
     if isinstance(model, torch.fx.GraphModule):
+        return model(*tensors.values())
+    if not tensors.keys() <= inspect.signature(model.forward).parameters.keys():
         return model(*tensors.values())
     return model(**tensors)
 
