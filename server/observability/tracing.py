@@ -185,6 +185,7 @@ class Tracing:
         self._provider: TracerProvider | None = None
         self._tracer: Tracer | None = None
         self._offset_s = time.time() - time.monotonic()
+        self._root_ratio: float | None = None
         if not enabled:
             return
         env = os.environ if environ is None else environ
@@ -212,7 +213,6 @@ class Tracing:
         ):
             attributes["service.name"] = "scriptserve"
         sampler = None  # the SDK's: OTEL_TRACES_SAMPLER, else parent-based always-on
-        self._root_ratio: float | None = None
         if sampling_ratio is not None:
             # A request without a client's traceparent (a root) is sampled here, before the
             # SDK is called (`unsampled_root`): a root left out costs two random numbers, not
@@ -238,6 +238,12 @@ class Tracing:
             getattr(self.exporter, "_endpoint", endpoint or "the default endpoint"),
             sampling,
         )
+
+    @property
+    def samples_roots(self) -> bool:
+        """Requests without a client's trace context are sampled at a ratio of the server's
+        (`left_out_root`), not by the SDK's sampler."""
+        return self._root_ratio is not None
 
     # -- a request's server span -------------------------------------------------------------
     def start(

@@ -48,6 +48,33 @@ class Observers:
         self.access = access
         self.tracing = tracing
         self.enabled = access.enabled or tracing.enabled
+        self._ratio_only = tracing.samples_roots and not access.enabled
+        """Only tracing is on, and it samples roots at a ratio: `observe` leaves roots out
+        without an observation."""
+
+    def observe(
+        self,
+        method: str,
+        path: str,
+        headers: Headers,
+        peer: tuple[str, int] | None,
+        scope: Callable[[], Scope],
+    ) -> tuple[Observation | None, bytes]:
+        """What the HTTP protocol keeps of a request that arrived now (as `open`): its
+        observation, or, for a request only tracing would see (the access log off) that
+        carries no trace context of the client's and that the sampling ratio leaves out, no
+        observation and the header line of the `traceparent` of its own that its answer
+        returns. What a request costs at ratio 0."""
+        if self._ratio_only:
+            for name, _ in headers:
+                if name in _TRACE_HEADERS:
+                    break
+            else:
+                ids = self.tracing.left_out_root()
+                if ids is not None:
+                    return None, b"traceparent: 00-%032x-%016x-00\r\n" % ids  # left_out_traceparent
+                return Observation(self, method, path, headers, peer, scope, root_kept=True), b""
+        return Observation(self, method, path, headers, peer, scope), b""
 
     def open(
         self,
@@ -82,7 +109,9 @@ class Observation:
         headers: Headers,
         peer: tuple[str, int] | None,
         scope: Callable[[], Scope],
+        root_kept: bool = False,
     ) -> None:
+        """`root_kept`: the sampling ratio was applied to this request already, and kept it."""
         self._observers = observers
         self.method = method
         self.status = 500  # what the HTTP server answers when the app raises before answering
@@ -109,7 +138,7 @@ class Observation:
             self.record = AccessRecord(method, path, client, "rest", request_id)
         tracer = observers.tracing
         if tracer.enabled:
-            left_out = None if trace_headers else tracer.left_out_root()
+            left_out = None if trace_headers or root_kept else tracer.left_out_root()
             if left_out is not None:
                 self._traceparent = left_out_traceparent(left_out).encode()
             else:

@@ -109,9 +109,13 @@ class ProtocolCycle(RequestResponseCycle):
             elif name == b"inference-header-content-length":
                 self.header_length = value.decode("latin-1")
         self.observation: Observation | None = None
-        if routes.observers.enabled:
+        self.left_out = b""
+        """The `traceparent` line of a request only tracing sees and its sampling leaves out:
+        all that is kept of it (no observation)."""
+        observers = routes.observers
+        if observers.enabled:
             scope = functools.partial(_scope, protocol, method, path)
-            self.observation = routes.observers.open(
+            self.observation, self.left_out = observers.observe(
                 method, path, protocol.headers, protocol.client, scope
             )
 
@@ -374,6 +378,8 @@ class ProtocolCycle(RequestResponseCycle):
         if self.observation is not None:
             for name, value in self.observation.answered(status):
                 head += [name, b": ", value, b"\r\n"]
+        else:
+            head.append(self.left_out)
         for key, text in (headers or {}).items():
             lower = key.lower()
             name, value = lower.encode("latin-1"), text.encode("latin-1")

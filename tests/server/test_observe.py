@@ -1,0 +1,94 @@
+"""What the inference routes keep of a request (server/rest/observe.py `Observers.observe`): a
+request that tracing alone would see and its sampling ratio leaves out keeps only the
+`traceparent` line of its own, with no observation; every other request is observed, and the
+ratio is drawn once per request.
+
+The tracer is a real one (OpenTelemetry's SDK and its OTLP exporter, pointed at a port nothing
+listens on); the spans of the sampled requests are never ended, so nothing is exported.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from scriptserve.server.observability.access_log import AccessLog
+from scriptserve.server.observability.tracing import Tracing
+from scriptserve.server.rest.observe import Observation, Observers
+
+HEADERS = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
+PARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+LINE = re.compile(rb"traceparent: 00-([0-9a-f]{32})-([0-9a-f]{16})-00\r\n")
+PEER = ("127.0.0.1", 50000)
+
+
+def scope() -> dict[str, object]:
+    return {"type": "http", "method": "POST", "path": "/predictions/m", "headers": HEADERS}
+
+
+def tracer(ratio: float | None) -> Tracing:
+    """Roots sampled at `ratio` (None: the SDK's sampler decides)."""
+    return Tracing(True, endpoint="http://127.0.0.1:9", protocol="grpc", sampling_ratio=ratio)
+
+
+@pytest.fixture
+def never() -> Iterator[Tracing]:
+    tracing = tracer(0.0)
+    yield tracing
+    tracing.close(timeout_s=0.1)
+
+
+def test_a_left_out_request_keeps_only_a_traceparent_of_its_own(never: Tracing) -> None:
+    observers = Observers(AccessLog(), never)
+    kept = [observers.observe("POST", "/predictions/m", HEADERS, PEER, scope) for _ in range(50)]
+    assert all(observation is None for observation, _ in kept)
+    found = [LINE.fullmatch(line) for _, line in kept]
+    assert all(found), kept[:3]  # unsampled (flags 00), one well-formed line each
+    ids = {m.group(1) for m in found if m}
+    assert len(ids) == 50  # each request a trace of its own
+    assert all(m.group(1) != b"0" * 32 and m.group(2) != b"0" * 16 for m in found if m)
+
+
+def test_the_ratio_is_drawn_once_per_request() -> None:
+    """At 0.5, about half the roots are observed and sampled: drawing again for the ones kept
+    would sample a quarter."""
+    tracing = tracer(0.5)
+    try:
+        observers = Observers(AccessLog(), tracing)
+        sampled = 0
+        for _ in range(400):
+            observation, line = observers.observe("POST", "/p", HEADERS, PEER, scope)
+            if observation is not None:
+                assert line == b"" and observation.trace is not None
+                assert observation.trace.recording
+                sampled += 1
+            else:
+                assert LINE.fullmatch(line)
+        # 400 draws at 0.5: 200 expected, a standard deviation of 10
+        assert 150 <= sampled <= 250, sampled
+    finally:
+        tracing.close(timeout_s=0.1)
+
+
+def test_a_request_someone_records_is_observed(never: Tracing) -> None:
+    def observed(observers: Observers, headers: list[tuple[bytes, bytes]] = HEADERS) -> bool:
+        observation, line = observers.observe("POST", "/p", headers, PEER, scope)
+        return isinstance(observation, Observation) and line == b""
+
+    # the client's own trace context: followed (its parent may be sampled)
+    for name in (b"traceparent", b"tracestate"):
+        assert observed(Observers(AccessLog(), never), [*HEADERS, (name, PARENT)])
+    # the access log writes a line for every request, sampled or not
+    access = AccessLog("stderr")
+    try:
+        assert observed(Observers(access, never))
+    finally:
+        access.close()
+    # the SDK's own sampler (no ratio of the server's): every root goes to it
+    sdk = tracer(None)
+    try:
+        assert observed(Observers(AccessLog(), sdk))
+    finally:
+        sdk.close(timeout_s=0.1)
