@@ -64,6 +64,11 @@ def call_model(model: Any, named: Mapping[str, np.ndarray], device: str = "cpu")
     return model(**tensors)
 
 
+REDUCED_AT_BOUND = 0.05
+"""How far, relative to the outputs' norm, a reduced-precision package may answer from the
+eager model in the same precision at its batch bound (`check_at_bound`)."""
+
+
 def check_at_bound(
     path: Path,
     model: Any,
@@ -71,12 +76,20 @@ def check_at_bound(
     bound: int,
     device: str,
     seq: tuple[Collection[str], int] | None = None,
+    reduced: bool = False,
 ) -> None:
     """Run the package on `bound` rows and compare with the model. Inductor may write a lower
     bound into the generated input check than the exported one (15 for a small CNN exported
     for 64, whose outputs are right at 64): the exported bound is the one served, so it is
     checked here. With `seq` (the sequence inputs and their bound), the rows are that long too:
-    the sample's positions repeated."""
+    the sample's positions repeated.
+
+    The package and the model agree to 1e-3 of the largest output in fp32. In `reduced`
+    precision (bf16, fp16: both run it) they round differently at every layer, so what is
+    asked is that the difference stays a rounding one: at most `REDUCED_AT_BOUND` of the
+    outputs' norm (ResNet-50 in bf16: 0.0096, while each is 0.008-0.009 from fp32), where a
+    wrong kernel at the bound is off by the order of the outputs themselves. How close bf16
+    is to fp32 is the accuracy guard's to judge (archiver/precision.py)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -100,12 +113,19 @@ def check_at_bound(
         expected = call_model(model, rows, device)
     for got, want in zip(outputs, tree_leaves(expected), strict=True):
         want_np = want.detach().float().cpu().numpy()
-        diff = float(np.max(np.abs(got - want_np))) if got.size else 0.0
-        scale = max(1.0, float(np.max(np.abs(want_np)))) if want_np.size else 1.0
-        if not diff <= 1e-3 * scale:
+        if reduced:
+            norm = float(np.linalg.norm(want_np))
+            diff = float(np.linalg.norm(got - want_np)) / norm if norm else 0.0
+            agrees = diff <= REDUCED_AT_BOUND
+        else:
+            diff = float(np.max(np.abs(got - want_np))) if got.size else 0.0
+            scale = max(1.0, float(np.max(np.abs(want_np)))) if want_np.size else 1.0
+            agrees = diff <= 1e-3 * scale
+        if not agrees:
             lower = "--max-seq-len" if seq else "--max-batch"
+            by = f"{diff:.3g} of its outputs' norm" if reduced else f"{diff:.3g}"
             raise ModelFileError(
-                f"{path.name} differs from the model by {diff:.3g} on {what}; export it with a "
+                f"{path.name} differs from the model by {by} on {what}; export it with a "
                 f"lower {lower}"
             )
 

@@ -324,9 +324,17 @@ def build_package(
     )
     sequences = sequence_inputs(named) if loaded.max_seq_len is not None else ()
     if bound is not None and bound > 1:
-        check_at_bound(dst, model, named, bound, device)
+        check_at_bound(dst, model, named, bound, device, reduced=precision != "fp32")
     if sequences and loaded.max_seq_len is not None:
-        check_at_bound(dst, model, named, 2, device, seq=(sequences, loaded.max_seq_len))
+        check_at_bound(
+            dst,
+            model,
+            named,
+            2,
+            device,
+            seq=(sequences, loaded.max_seq_len),
+            reduced=precision != "fp32",
+        )
     diff = "" if build.max_abs_diff is None else f", max |pt2 - {kind}| {build.max_abs_diff:.3g}"
     target = build.info.target
     seq = "" if not sequences else f", sequences of 1 to {loaded.max_seq_len}"
