@@ -1,8 +1,9 @@
 """The zoo's models (examples/zoo.py) in every format scriptserve serves, on one machine, in one
-run: items/s in-process (the backend a worker calls, 2 threads) for `.pt2` fp32 and int8,
-TorchScript and ONNX; OpenVINO's in-process figure on the same model as the anchor to beat;
-and the `.pt2` archives served over HTTP (items/s, p50, p99). Each figure is also given as a
-fraction of the machine's measured peak (a GEMM microbenchmark, fp32 and int8).
+run: items/s in-process (the backend a worker calls, 2 threads) for `.pt2` fp32, int8 and
+bf16 (where the CPU has AVX512-BF16 or AMX), TorchScript and ONNX; OpenVINO's in-process
+figures on the same model (its default precision, and bf16 where the CPU has it) as the anchor
+to beat; and the `.pt2` archives served over HTTP (items/s, p50, p99). Each figure is also
+given as a fraction of the machine's measured peak (a GEMM microbenchmark, fp32 and int8).
 
     python -m benchmarks.zoo                         # every model, full size (minutes each)
     python -m benchmarks.zoo --models bert --size small --seconds 3
@@ -37,6 +38,7 @@ from benchmarks.servers import scriptserve
 from examples.zoo import ZOO, Built, build, built_in
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import model_archiver_main
+from scriptserve.archiver.precision import precision_isa
 from scriptserve.archiver.pt2_check import call_model
 from scriptserve.archiver.pt2_package import cpu_features, int8_isa
 from scriptserve.handlers.backends import load_backend
@@ -212,19 +214,42 @@ def _rows(inputs: Mapping[str, np.ndarray]) -> int:
     return int(next(iter(inputs.values())).shape[0])
 
 
-def openvino_rate(built: Built, inputs: Mapping[str, np.ndarray], seconds: float) -> float | None:
-    """Items/s of OpenVINO on the same model (its default precision for this CPU, 2 requests
-    in flight), or None without openvino installed."""
+def openvino_rates(
+    built: Built, inputs: Mapping[str, np.ndarray], seconds: float
+) -> dict[str, float]:
+    """Items/s of OpenVINO on the same model, 2 requests in flight: at its default precision for
+    this CPU ("OpenVINO"), and in bfloat16 ("OpenVINO bf16") where the CPU has AVX512-BF16 or
+    AMX and the default is not already bf16; nothing without openvino installed."""
     try:
         import openvino as ov
     except ImportError:
-        return None
+        return {}
     example = {n: torch.from_numpy(a) for n, a in inputs.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted = ov.convert_model(eager_model(built), example_input=example)
-    compiled = ov.Core().compile_model(
-        converted, "CPU", {"PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": 2}
+    core = ov.Core()
+    rates = {"OpenVINO": _openvino_rate(core, converted, inputs, seconds, {})}
+    default = str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))
+    if precision_isa() is not None and "bf16" not in default:
+        hint = {"INFERENCE_PRECISION_HINT": "bf16"}
+        rates["OpenVINO bf16"] = _openvino_rate(core, converted, inputs, seconds, hint)
+    return rates
+
+
+def _openvino_rate(
+    core: Any,
+    converted: Any,
+    inputs: Mapping[str, np.ndarray],
+    seconds: float,
+    config: Mapping[str, str],
+) -> float:
+    import openvino as ov
+
+    compiled = core.compile_model(
+        converted,
+        "CPU",
+        {"PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": 2, **config},
     )
     queue = ov.AsyncInferQueue(compiled, 2)
     feed = list(inputs.values())
@@ -317,27 +342,37 @@ def measure(
         if isinstance(int8, Path):
             break
         refused[mode] = int8
+    # bfloat16 (`--precision bf16`): refused, with the reason, where the CPU has neither
+    # AVX512-BF16 nor AMX; held to the same accuracy guard as int8.
+    bf16 = archive(built, f"{name}-bf16", store, "--precision", "bf16")
     if isinstance(fp32, str):
         raise RuntimeError(fp32)
     rows: dict[str, Any] = {".pt2 fp32": backend_rate(fp32, "pt2", inputs, seconds)}
     if isinstance(int8, Path):
         rows[f".pt2 {mode}"] = backend_rate(int8, "pt2", inputs, seconds)
+    if isinstance(bf16, Path):
+        rows[".pt2 bf16"] = backend_rate(bf16, "pt2", inputs, seconds)
     rows["TorchScript"] = backend_rate(
         torchscript_file(built, inputs), "torchscript", inputs, seconds
     )
     rows["ONNX Runtime"] = backend_rate(onnx_file(built, inputs), "onnx", inputs, seconds)
-    ov = openvino_rate(built, inputs, seconds)
-    if ov is not None:
-        rows["OpenVINO"] = ov
+    rows.update(openvino_rates(built, inputs, seconds))
     flops = flops_per_item(built, inputs)
     validation: Any = int8  # the refusal, when the guard refused it
     if isinstance(int8, Path):
         with open_archive(int8) as reader:
             quantization = reader.manifest.scriptserve.quantization  # type: ignore[union-attr]
             validation = quantization.details.get("validation")
+    bf16_validation: Any = bf16  # the refusal, when the CPU or the guard refused it
+    if isinstance(bf16, Path):
+        with open_archive(bf16) as reader:
+            pt2 = reader.manifest.scriptserve.pt2  # type: ignore[union-attr]
+            bf16_validation = pt2.precision_check if pt2 is not None else None
     served_rows = {".pt2 fp32": served(fp32, built, seconds)}
     if isinstance(int8, Path):
         served_rows[f".pt2 {mode}"] = served(int8, built, seconds)
+    if isinstance(bf16, Path):
+        served_rows[".pt2 bf16"] = served(bf16, built, seconds)
     return {
         "model": name,
         "batch": batch,
@@ -348,6 +383,7 @@ def measure(
         "int8_mode": mode if isinstance(int8, Path) else None,
         "int8_validation": validation,
         "int8_refused": refused,
+        "bf16_check": bf16_validation,
         "served": served_rows,
         "torchserve": torchserve_served(built, inputs, seconds),
     }
