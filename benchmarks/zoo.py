@@ -394,6 +394,8 @@ def report(results: list[dict[str, Any]], peak: dict[str, float]) -> None:
     for r in results:
         for mode, reason in r.get("int8_refused", {}).items():
             print(f"{r['model']} {mode}: {reason}")
+        if isinstance(r.get("bf16_check"), str):
+            print(f"{r['model']} bf16: {r['bf16_check']}")
         print(f"\n{r['model']} (batch {r['batch']}, {r['gflop_per_item']:.2f} GFLOP per item)")
         for label, rate in r["in_process_items_s"].items():
             share = r["fp32_peak_share"][label]
