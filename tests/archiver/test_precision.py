@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pt2models import TESTS, inductor_cache
+from pt2models import TESTS, TINY_MAX_BATCH, inductor_cache, tiny_bf16_build
 from testmodels import TinyMLP
 
 from scriptserve.archiver.archive import open_archive
@@ -61,6 +61,10 @@ def test_the_reduced_model_keeps_its_signature_and_float32_at_its_edges() -> Non
 
 
 def test_model_archiver_builds_bf16_only_where_the_cpu_has_it(tmp_path: Path) -> None:
+    if precision_isa() is not None:
+        # The same graph as the session's bf16 build (the head start's): compiled from the
+        # Inductor cache it filled, not from nothing.
+        tiny_bf16_build()
     torch.save(TinyMLP().state_dict(), tmp_path / "weights.pt")
     (tmp_path / "sample.json").write_text(json.dumps([0.5] * 8))
     with inductor_cache():
@@ -82,6 +86,8 @@ def test_model_archiver_builds_bf16_only_where_the_cpu_has_it(tmp_path: Path) ->
                 str(tmp_path / "sample.json"),
                 "--precision",
                 "bf16",
+                "--max-batch",
+                str(TINY_MAX_BATCH),
                 "--min-top1-agreement",
                 "0",
                 "--export-path",
