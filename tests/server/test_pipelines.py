@@ -278,7 +278,10 @@ def test_the_clients_deadline_covers_the_whole_pipeline(server: ServerProcess) -
 
 
 def test_independent_steps_run_at_once(tmp_path: Path) -> None:
-    """Two steps that each take about half a second: the pipeline answers in about one."""
+    """Two steps that each take about half a second: the pipeline answers in well under their
+    sum. Each time is the best of a few calls, so that a moment when other work holds one of
+    the two cores does not decide it; steps run one after the other never answer under their
+    sum, however many times they are tried."""
     store = build_holders(tmp_path, [1, 1], prefix="slow", busy=2000)
     (store / "both.pipeline.yaml").write_text(
         "steps:\n"
@@ -286,19 +289,24 @@ def test_independent_steps_run_at_once(tmp_path: Path) -> None:
         "  - {model: slow1, inputs: {x: image}, outputs: {output0: b}}\n"
     )
     proc = ServerProcess(store, "--workers", "1", "--no-snapshot", "--no-warmup").start()
+
+    def best_of(calls: int, name: str, payload: dict[str, object]) -> tuple[float, httpx.Response]:
+        times, reply = [], None
+        for _ in range(calls):
+            started = time.perf_counter()
+            reply = httpx.post(f"{proc.url}/v2/models/{name}/infer", json=payload, timeout=30)
+            assert reply.status_code == 200, reply.text
+            times.append(time.perf_counter() - started)
+        assert reply is not None
+        return min(times), reply
+
     try:
         one = []
         for name in ("slow0", "slow1"):
-            httpx.post(f"{proc.url}/v2/models/{name}/infer", json=body(ROW, "x"), timeout=30)
-            started = time.perf_counter()  # the second call: the first warmed the model up
-            alone = httpx.post(f"{proc.url}/v2/models/{name}/infer", json=body(ROW, "x"))
-            assert alone.status_code == 200, alone.text
-            one.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        both = httpx.post(f"{proc.url}/v2/models/both/infer", json=body(ROW), timeout=30)
-        took = time.perf_counter() - started
+            best_of(1, name, body(ROW, "x"))  # warms the model up
+            one.append(best_of(2, name, body(ROW, "x"))[0])
+        took, both = best_of(3, "both", body(ROW))
     finally:
         proc.stop()
-    assert both.status_code == 200, both.text
     assert [o["name"] for o in both.json()["outputs"]] == ["a", "b"]
     assert took < 0.8 * sum(one), (took, one)  # not one after the other
