@@ -60,11 +60,13 @@ class Observers:
         peer: tuple[str, int] | None,
         scope: Callable[[], Scope],
     ) -> tuple[Observation | None, bytes]:
-        """What the HTTP protocol keeps of a request that arrived now (as `open`): its
+        """What the HTTP protocol keeps of a request that arrived now from `peer`: its
         observation, or, for a request only tracing would see (the access log off) that
         carries no trace context of the client's and that the sampling ratio leaves out, no
         observation and the header line of the `traceparent` of its own that its answer
-        returns. What a request costs at ratio 0."""
+        returns (what a request costs at ratio 0). `scope` makes the request's ASGI scope (or
+        what the protocol makes of a request head in that form), called only when something
+        reads more of it than its method, path, headers and peer."""
         if self._ratio_only:
             for name, _ in headers:
                 if name in _TRACE_HEADERS:
@@ -75,20 +77,6 @@ class Observers:
                     return None, b"traceparent: 00-%032x-%016x-00\r\n" % ids  # left_out_traceparent
                 return Observation(self, method, path, headers, peer, scope, root_kept=True), b""
         return Observation(self, method, path, headers, peer, scope), b""
-
-    def open(
-        self,
-        method: str,
-        path: str,
-        headers: Headers,
-        peer: tuple[str, int] | None,
-        scope: Callable[[], Scope],
-    ) -> Observation:
-        """The observation of a request that arrived now from `peer`; `scope` makes its ASGI
-        scope (or what the protocol makes of a request head in that form, with the client a
-        loopback proxy forwards), called only when something reads more of the request than
-        its method, path, headers and peer."""
-        return Observation(self, method, path, headers, peer, scope)
 
 
 class Observation:
@@ -209,8 +197,13 @@ class Observed:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        observation = self.observers.open(
-            scope["method"], scope["path"], scope["headers"], scope.get("client"), lambda: scope
+        observation = Observation(
+            self.observers,
+            scope["method"],
+            scope["path"],
+            scope["headers"],
+            scope.get("client"),
+            lambda: scope,
         )
 
         async def observed_send(message: Message) -> None:

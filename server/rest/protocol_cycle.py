@@ -378,7 +378,7 @@ class ProtocolCycle(RequestResponseCycle):
         if self.observation is not None:
             for name, value in self.observation.answered(status):
                 head += [name, b": ", value, b"\r\n"]
-        else:
+        elif self.left_out:
             head.append(self.left_out)
         for key, text in (headers or {}).items():
             lower = key.lower()
