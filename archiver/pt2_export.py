@@ -231,6 +231,20 @@ def compile_options() -> dict[str, Any]:
     return options
 
 
+def link_options() -> dict[str, Any]:
+    """Link the package's library against the shared C++ runtime, named by its file
+    (`-l:libstdc++.so.6`). A compiler that finds only libstdc++'s static archive (a relocated
+    GCC without the `libstdc++.so` link, as on some GPU images) or links it statically by
+    default would otherwise give the library a copy of the runtime that clashes with torch's
+    and crashes the process that loads it (`handlers.runtime.aoti` refuses such a library).
+    Where the compiler links the shared runtime anyway, naming it changes nothing."""
+    from torch._inductor import config
+
+    if not hasattr(config.aot_inductor, "custom_op_libs"):  # a torch release without the option
+        return {}
+    return {"aot_inductor.custom_op_libs": [":libstdc++.so.6"]}
+
+
 def compile_package(program: ExportedProgram, dst: Path, options: Mapping[str, Any]) -> Path:
     """AOTInductor-compile `program` into the package `dst`, without grad: Inductor freezes
     only then."""
@@ -240,7 +254,7 @@ def compile_package(program: ExportedProgram, dst: Path, options: Mapping[str, A
     try:
         with torch.no_grad():
             made = torch._inductor.aoti_compile_and_package(
-                program, package_path=str(dst), inductor_configs=dict(options)
+                program, package_path=str(dst), inductor_configs={**link_options(), **options}
             )
     except Exception as exc:
         raise ModelFileError(f"AOTInductor compilation failed: {error_line(exc)}") from None

@@ -669,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
         default=WORK,
         help="the tests' report; default " + str(WORK.relative_to(REPO)),
     )
+    p.add_argument(
+        "--no-tests", action="store_true", help="leave out the GPU tests (the longest step)"
+    )
     args = p.parse_args(argv)
     if args.prepare is not None:
         return prepare(args.prepare, args.python)
@@ -688,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         check.step("loads", check.loads)
         check.step("benchmark", check.benchmark)
         check.step("served", check.served)
-    check.step("tests", check.tests)
+    if not args.no_tests:
+        check.step("tests", check.tests)
     return _write(check, args)
 
 

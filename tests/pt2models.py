@@ -4,6 +4,8 @@
   batches of 1 to `TINY_MAX_BATCH` rows;
 - `two_heads_archive()`: `TwoHeads`, two inputs and two outputs, whose call at batch
   `SLOW_ROWS` takes about 0.1 s on one core (for the tests of threads running at once);
+  compiled by a compiler that links libstdc++ statically by default, as some machines' do
+  (`static_cxx_runtime`): its package must link the shared runtime all the same;
 - `tiny_package()`: the compiled package inside the tiny archive, as a user would bring it;
 - `tiny_int8_archive(mode)`: TinyMLP as an int8 package (`dynamic-int8` or `static-int8`,
   torchao's PT2E flow), with `tiny_validation()` stored in it for the accuracy guard;
@@ -27,6 +29,7 @@ import io
 import json
 import os
 import pickle
+import shlex
 import shutil
 import subprocess
 import sys
@@ -55,6 +58,7 @@ TINY_MAX_BATCH = 64
 TWO_HEADS_MAX_BATCH = 256
 SLOW_ROWS = 256
 """Rows at which a TwoHeads call takes about 0.1 s on one core."""
+STATIC_CXX_LINKS = "static-cxx-links.txt"
 HEAD_START = "pt2"
 WORKDIR_VARIABLE = "SCRIPTSERVE_PT2_TESTS_WORKDIR"
 
@@ -173,6 +177,45 @@ def archive_eager(name: str, model_class: str, sample: object, max_batch: int, *
     return workdir() / "store" / f"{name}.mar"
 
 
+@contextlib.contextmanager
+def static_cxx_runtime() -> Iterator[None]:
+    """Compile with Inductor's compiler wrapped as some GPU images' compiler is: a GCC whose
+    library path holds libstdc++'s static archive and no `libstdc++.so` (`-lstdc++` finds the
+    archive), linking with -static-libstdc++. A model's library then carries a C++ runtime of
+    its own, which clashes with torch's (`handlers.runtime.aoti`). Each link it made is
+    written to `static_cxx_links()`."""
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    compiler = get_cpp_compiler()
+    archive_only = workdir() / "static-libstdcxx"
+    archive_only.mkdir()
+    archive = subprocess.run(
+        [compiler, "-print-file-name=libstdc++.a"], capture_output=True, text=True, check=True
+    )
+    (archive_only / "libstdc++.a").symlink_to(archive.stdout.strip())
+    links = workdir() / STATIC_CXX_LINKS
+    wrapper = workdir() / "static-cxx"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" -shared "*)\n'
+        f'  echo "$*" >>{shlex.quote(str(links))}\n'
+        f'  exec {shlex.quote(compiler)} -L{shlex.quote(str(archive_only))} "$@" '
+        "-static-libstdc++ ;;\n"
+        "esac\n"
+        f'exec {shlex.quote(compiler)} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    with config.patch({"cpp.cxx": (None, str(wrapper))}):
+        yield
+
+
+def static_cxx_links() -> list[str]:
+    """The command lines of the links `static_cxx_runtime` made static."""
+    path = workdir() / STATIC_CXX_LINKS
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def _bf16_build() -> Path:
     """TinyMLP's bfloat16 package, built as model-archiver builds it; its Pt2Build and
     Pt2Source pickled beside it."""
@@ -206,7 +249,8 @@ def _make(name: str) -> Path:
         return archive_eager(name, *tiny)
     if name == "two_heads":
         sample = {"a": [0.1] * 256, "b": [0.5, -0.5, 1.0, 2.0]}
-        return archive_eager(name, "TwoHeads", sample, TWO_HEADS_MAX_BATCH)
+        with static_cxx_runtime():
+            return archive_eager(name, "TwoHeads", sample, TWO_HEADS_MAX_BATCH)
     mode = name.removeprefix("tiny_").replace("_", "-")  # tiny_dynamic_int8: dynamic-int8
     validation = ("--validation-file", str(tiny_validation()))
     return archive_eager(name, *tiny, "--quantize", mode, *validation)

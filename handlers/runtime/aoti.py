@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,6 +178,41 @@ def load_libtorch() -> None:
         raise AotiError(f"libtorch does not load: {exc}") from None
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = (
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    )
+
+
+_LOCALE_CLASSIC = "_ZNSt6locale7classicEv"
+"""std::locale::classic(), which every compiled model's runtime reaches (it parses the device
+name with std::regex, which asks the locale's facets)."""
+
+
+def _carries_its_own_cxx_runtime(lib: ctypes.CDLL, so: Path) -> bool:
+    """Whether `lib` exports a C++ runtime of its own. Linked with libstdc++'s static archive (by
+    a compiler that has no libstdc++.so, or given -static-libstdc++), a model's library holds a
+    copy of libstdc++ whose exported symbols bind
+    in part to the libstdc++ torch loaded: the two copies number std::locale's facets
+    differently, and the runtime's first std::regex fails with std::bad_cast or jumps through
+    the wrong facet's table (SIGSEGV, inside AOTInductorModelContainerCreateWithDevice). A
+    private copy that exports nothing (linked with --exclude-libs) is not found here, and is
+    harmless."""
+    try:
+        symbol = getattr(lib, _LOCALE_CLASSIC)
+    except AttributeError:
+        return False
+    dladdr = ctypes.CDLL(None).dladdr
+    dladdr.argtypes, dladdr.restype = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)], ctypes.c_int
+    info = _DlInfo()
+    if not dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return False
+    return os.path.realpath(os.fsdecode(info.dli_fname)) == os.path.realpath(so)
+
+
 class AotiLibrary:
     """A package's compiled model, loaded with ctypes.CDLL."""
 
@@ -187,6 +223,14 @@ class AotiLibrary:
         except OSError as exc:
             reason = str(exc).replace(f"{so.parent}/", "")  # not the server's private paths
             raise AotiError(f"the compiled model does not load: {reason}") from None
+        if _carries_its_own_cxx_runtime(self._lib, so):
+            self.close()
+            raise AotiError(
+                "the compiled model carries its own copy of the C++ runtime (its library was "
+                "linked with libstdc++'s static archive, which a compiler without libstdc++.so "
+                "or given -static-libstdc++ does): beside the runtime torch uses, it crashes on "
+                "load. Build it again with this model-archiver, which links the shared runtime"
+            )
         for name, (argtypes, restype) in _ABI.items():
             try:
                 function = getattr(self._lib, name)

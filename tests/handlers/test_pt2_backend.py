@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from pt2models import (
     TINY_MAX_BATCH,
     TWO_HEADS_MAX_BATCH,
     archive_eager,
+    static_cxx_links,
     tiny_archive,
     two_heads_archive,
     two_heads_reference,
@@ -30,7 +33,7 @@ from scriptserve.archiver.manifest import Manifest, Pt2Info
 from scriptserve.archiver.pt2_package import read_package
 from scriptserve.handlers.backends import BackendError, load_backend
 from scriptserve.handlers.backends.pt2 import Pt2Backend
-from scriptserve.handlers.runtime.aoti import AotiLibrary
+from scriptserve.handlers.runtime.aoti import AotiError, AotiLibrary
 
 # Slow: the tiny and two-input models compiled to .pt2.
 pytestmark = pytest.mark.slow
@@ -309,6 +312,73 @@ def test_the_maximum_batch_runs_on_the_two_input_model(two_heads: Opened) -> Non
     outputs = two_heads.backend().run({"a": a, "b": b})
 
     np.testing.assert_allclose(outputs["output1"], two_heads_reference(a, b)[1], atol=1e-4)
+
+
+# -- the C++ runtime a package links --------------------------------------------------------
+def needed(library: Path) -> list[str]:
+    """The shared libraries `library` names (its ELF DT_NEEDED entries)."""
+    dynamic = subprocess.run(
+        ["readelf", "-d", str(library)], capture_output=True, text=True, check=True
+    )
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic.stdout)
+
+
+def test_where_the_compiler_links_libstdcxx_statically_the_package_links_the_shared_one(
+    two_heads: Opened, tmp_path: Path
+) -> None:
+    """TwoHeads was compiled by a compiler that finds only libstdc++'s static archive and adds
+    -static-libstdc++ (as a GPU image's relocated GCC did: a model's library then holds a copy
+    of libstdc++ that clashes with torch's, and making its container crashed the process).
+    model-archiver names the shared runtime's file, so the library needs it and makes its
+    container beside torch's."""
+    links = static_cxx_links()
+    assert any("-shared" in link for link in links), "the wrapped compiler made no library"
+    library = read_package(two_heads.package).extract(tmp_path)
+
+    assert "libstdc++.so.6" in needed(library)
+    loaded = AotiLibrary(library)  # torch is imported here: its libstdc++ is loaded
+    container = loaded.create(1, "cpu")
+    try:
+        a = torch.from_numpy(rows(3, width=256, seed=2))
+        b = torch.from_numpy(rows(3, width=4, seed=3))
+        y, z = loaded.run(container, [a, b], 2)
+    finally:
+        loaded.delete(container)
+        loaded.close()
+    expected_y, expected_z = two_heads_reference(a.numpy(), b.numpy())
+    np.testing.assert_allclose(y.numpy(), expected_y, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(z.numpy(), expected_z, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "shared"])
+def test_a_library_with_a_cxx_runtime_of_its_own_is_refused_before_it_is_called(
+    tmp_path: Path, static: bool
+) -> None:
+    """A library built with -static-libstdc++ exports its own std::locale: refused with what
+    to do, before a call could crash the process. Built with the shared runtime, the same
+    source is refused only for what it lacks of a compiled model."""
+    compiler = shutil.which("g++")
+    assert compiler is not None
+    source = tmp_path / "locale.cpp"
+    source.write_text(
+        '#include <locale>\nextern "C" int classic_name_size() '
+        "{ return static_cast<int>(std::locale::classic().name().size()); }\n"
+    )
+    library = tmp_path / "locale.so"
+    flags = ["-static-libstdc++"] if static else []
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", str(source), "-o", str(library), *flags], check=True
+    )
+
+    with pytest.raises(AotiError) as info:
+        AotiLibrary(library)
+
+    message = str(info.value)
+    if static:
+        assert "carries its own copy of the C++ runtime" in message
+        assert "Build it again with this model-archiver" in message
+    else:
+        assert "the compiled model has no AOTInductorModelContainerCreateWithDevice" in message
 
 
 # -- refusals at load -----------------------------------------------------------------------
