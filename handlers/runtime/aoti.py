@@ -229,7 +229,9 @@ class AotiLibrary:
                 "the compiled model carries its own copy of the C++ runtime (its library was "
                 "linked with libstdc++'s static archive, which a compiler without libstdc++.so "
                 "or given -static-libstdc++ does): beside the runtime torch uses, it crashes on "
-                "load. Build it again with this model-archiver, which links the shared runtime"
+                "load. Build it again with this model-archiver, which links the shared runtime "
+                "(a package compiled by hand: inductor_configs={'aot_inductor.custom_op_libs': "
+                "[':libstdc++.so.6']})"
             )
         for name, (argtypes, restype) in _ABI.items():
             try:

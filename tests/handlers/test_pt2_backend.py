@@ -377,6 +377,7 @@ def test_a_library_with_a_cxx_runtime_of_its_own_is_refused_before_it_is_called(
     if static:
         assert "carries its own copy of the C++ runtime" in message
         assert "Build it again with this model-archiver" in message
+        assert "'aot_inductor.custom_op_libs': [':libstdc++.so.6']" in message
     else:
         assert "the compiled model has no AOTInductorModelContainerCreateWithDevice" in message
 
