@@ -131,9 +131,15 @@ class ServerProcess:
 
 
 def scriptserve(
-    label: str, store: Path, model: str, workers: int, intra_op_threads: int, max_batch_size: int
+    label: str,
+    store: Path,
+    model: str,
+    workers: int,
+    intra_op_threads: int,
+    max_batch_size: int,
+    max_batch_delay_ms: int = 0,
 ) -> ServerProcess:
-    """`python -m scriptserve serve` on free ports, batching with no delay (`--max-batch-delay 0`).
+    """`python -m scriptserve serve` on free ports, batching with no delay unless one is given.
 
     Readiness is polled on the model itself: the server-wide /v2/health/ready answers 200 while
     the startup models are still being registered.
@@ -148,7 +154,7 @@ def scriptserve(
         "--grpc-inference-address", f"127.0.0.1:{grpc}",
         "--grpc-management-address", f"127.0.0.1:{grpc_mgmt}",
         "--workers", str(workers), "--intra-op-threads", str(intra_op_threads),
-        "--max-batch-size", str(max_batch_size), "--max-batch-delay", "0",
+        "--max-batch-size", str(max_batch_size), "--max-batch-delay", str(max_batch_delay_ms),
         "--log-level", "warning",
     ]  # fmt: skip
     server = ServerProcess(label, argv, port, f"/v2/models/{model}/ready", {})

@@ -284,11 +284,14 @@ def request_body(built: Built, directory: Path) -> tuple[Path, dict[str, str]]:
     return body, {"Content-Type": "text/plain"}
 
 
-SHAPES = ((2, 1), (1, 2))
-"""The serving shapes tried for each archive, (workers, intra-op threads each), as TorchServe is
-tried at several (`torchserve.best_rate`): two single-threaded workers suit a model whose
-batches are cheap, one worker on both cores one whose rate needs large batches (an int8
-convolution net: 8 clients shared by 2 workers make batches of fewer than 8)."""
+SHAPES = ((2, 1, 32, 0), (1, 2, 32, 0), (2, 1, 8, 5), (1, 2, 8, 5))
+"""The serving shapes tried for each archive, (workers, intra-op threads each, max batch size,
+max batch delay in ms), as TorchServe is tried at several (`torchserve.best_rate`): two
+single-threaded workers suit a model whose batches are cheap, one worker on both cores one whose
+rate needs large batches; with no delay a worker takes what is queued, with TorchServe's own
+settings (batch 8, 5 ms) it waits a little for the batch to fill (an int8 convolution net runs
+8 rows at a time far faster than twice 4: 8 clients shared without a delay make batches of
+about 4)."""
 
 
 def served(archive_path: Path, built: Built, seconds: float) -> dict[str, Any]:
@@ -300,7 +303,13 @@ def served(archive_path: Path, built: Built, seconds: float) -> dict[str, Any]:
 
 
 def served_as(
-    archive_path: Path, built: Built, seconds: float, workers: int, threads: int
+    archive_path: Path,
+    built: Built,
+    seconds: float,
+    workers: int,
+    threads: int,
+    max_batch: int,
+    delay_ms: int,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
@@ -308,7 +317,8 @@ def served_as(
         (store / archive_path.name).symlink_to(archive_path)
         body, headers = request_body(built, Path(tmp))
         name = archive_path.stem
-        with scriptserve("scriptserve", store, name, workers, threads, 32) as server:
+        server = scriptserve("scriptserve", store, name, workers, threads, max_batch, delay_ms)
+        with server:
             url = f"{server.url}/predictions/{name}"
             load = steady_load(url, 8, STEADY_WARMUP_S, seconds, body.read_bytes(), headers)
     if load.errors:
@@ -316,6 +326,8 @@ def served_as(
     return {
         "workers": workers,
         "threads": threads,
+        "batch": max_batch,
+        "delay_ms": delay_ms,
         "items_s": load.rps,
         "p50_ms": load.p50_ms,
         "p99_ms": load.p99_ms,
@@ -426,7 +438,9 @@ def report(results: list[dict[str, Any]], peak: dict[str, float]) -> None:
                 f"{int8:>6.1%} of int8 peak"
             )
         rows = {
-            f"{label} w{s['workers']}x{s['threads']}" if "workers" in s else label: s
+            f"{label} w{s['workers']}x{s['threads']} b{s.get('batch', 32)} d{s.get('delay_ms', 0)}"
+            if "workers" in s
+            else label: s
             for label, s in r["served"].items()
         }
         if r["torchserve"] is not None:
