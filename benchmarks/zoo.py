@@ -8,8 +8,9 @@ given as a fraction of the machine's measured peak (a GEMM microbenchmark, fp32 
     python -m benchmarks.zoo                         # every model, full size (minutes each)
     python -m benchmarks.zoo --models bert --size small --seconds 3
 
-Needs `pip install openvino` for the OpenVINO column (left out without it) and wrk for the
-served column (`apt-get install wrk`). Results: benchmarks/results/zoo-<date>.json.
+Needs `pip install openvino` for the OpenVINO column (left out without it) and TorchServe 0.12
+with Java for its served column (`benchmarks/torchserve.py`); the served load is 8 keep-alive
+clients of one request each (`loadgen.steady_load`). Results: benchmarks/results/zoo-<date>.json.
 """
 
 from __future__ import annotations
