@@ -20,7 +20,7 @@ from torch import nn
 
 from scriptserve.archiver.archive import open_archive
 from scriptserve.handlers.base import Context, InferenceRequest, InferenceResponse
-from scriptserve.handlers.image_classifier import ImageClassifierHandler
+from scriptserve.handlers.image_classifier import ImageClassifierHandler, Preprocessing, preset
 from scriptserve.handlers.loader import load_handler, read_model_config
 
 LABELS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -165,3 +165,33 @@ def test_oversized_image_is_refused_before_decoding(handler: ImageClassifierHand
     Image.new("L", (6000, 6000), 0).save(buf, format="PNG")  # 36 Mpx, compresses to ~40 KB
     (response,) = run(handler, InferenceRequest(body=buf.getvalue()))
     assert response.status == 400 and "6000x6000" in response.error
+
+
+@pytest.mark.parametrize(
+    "keys, mode",
+    [
+        (preset("imagenet", (6, 5)), "RGB"),
+        ({"grayscale": True, "invert": True, "scale": 0.5, "mean": [3.0], "std": [7.0]}, "L"),
+    ],
+    ids=["imagenet-rgb", "grey-inverted"],
+)
+def test_the_tensor_is_the_normalisation_formula_per_channel(
+    keys: dict[str, object], mode: str
+) -> None:
+    """`Preprocessing.tensor` computes (pixel * scale - mean) / std per channel (of 255 - pixel
+    when inverted), as float32 in (1, C, H, W), from the shaped image's uint8 pixels."""
+    pre = Preprocessing.from_dict(keys)
+    shape = (6, 5, 3) if mode == "RGB" else (6, 5)
+    pixels = np.random.default_rng(4).integers(0, 256, shape, dtype=np.uint8)
+
+    tensor = pre.tensor(Image.fromarray(pixels, mode))
+
+    values = pixels.astype(np.float64)
+    values = 255.0 - values if pre.invert else values
+    channels = values[None] if values.ndim == 2 else values.transpose(2, 0, 1)
+    mean = np.asarray(pre.mean).reshape(-1, 1, 1)
+    std = np.asarray(pre.std).reshape(-1, 1, 1)
+    expected = ((channels * pre.scale - mean) / std)[None]
+    assert tensor.dtype == np.float32 and tensor.shape == (1, pre.channels, 6, 5)
+    assert tensor.flags["C_CONTIGUOUS"]
+    np.testing.assert_allclose(tensor, expected, rtol=1e-6, atol=1e-5)
