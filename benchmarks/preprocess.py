@@ -8,8 +8,9 @@ of `image_to_array` (the handler's whole preprocessing) and of its stages apart:
 resize and crop (`Preprocessing.shape`), and the tensor (pixels to normalised float32, C x H x
 W: `Preprocessing.tensor`, one multiply and one add per value from the uint8 pixels). Beside
 it, the textbook formula, `(float(pixels) * scale - mean) / std` in float32 passes (the
-handler's way until 2026-11-27), with the ratio of the two taken in each round. Results go to
-benchmarks/results/preprocess-<date>.json with the CPU.
+handler's way until 2026-11-27), with the ratio of the two taken in each round. The larger
+JPEGs are also timed with `jpeg_draft` (decoded at a reduced scale where the resize allows).
+Results go to benchmarks/results/preprocess-<date>.json with the CPU.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ def textbook_tensor(pre: Preprocessing, image: Image.Image) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def decode(data: bytes, pre: Preprocessing) -> Image.Image:
+    """The image decoded as the handler decodes it (at a reduced scale with `jpeg_draft`)."""
+    mode = "L" if pre.grayscale else "RGB"
+    image = Image.open(io.BytesIO(data))
+    wanted = pre.draft_size(*image.size) if pre.jpeg_draft else None
+    if wanted is not None and image.format == "JPEG":
+        image.draft(mode, wanted)
+    return image.convert(mode)
+
+
 def per_item_ms(call: Callable[[], object], images: int) -> float:
     call()
     start = time.perf_counter()
@@ -82,8 +93,7 @@ def measure(
     label: str, data: bytes, pre: Preprocessing, rounds: int, images: int
 ) -> dict[str, Any]:
     made = handler(pre)
-    mode = "L" if pre.grayscale else "RGB"
-    decoded = Image.open(io.BytesIO(data)).convert(mode)
+    decoded = decode(data, pre)
     shaped = pre.shape(decoded)
     ours = made.image_to_array(data)
     textbook = textbook_tensor(pre, shaped)
@@ -91,7 +101,7 @@ def measure(
         raise AssertionError(f"{label}: the handler's tensor differs from the formula's")
     stages: dict[str, Callable[[], object]] = {
         "whole": lambda: made.image_to_array(data),
-        "decode": lambda: Image.open(io.BytesIO(data)).convert(mode),
+        "decode": lambda: decode(data, pre),
         "geometry": lambda: pre.shape(decoded),
         "tensor": lambda: pre.tensor(shaped),
         "tensor_textbook": lambda: textbook_tensor(pre, shaped),
@@ -115,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     digits = Preprocessing.from_dict(
         {"grayscale": True, "resize": [28, 28], "mean": [0.1307], "std": [0.3081]}, (28, 28)
     )
+    drafted = Preprocessing.from_dict({**preset("imagenet", (224, 224)), "jpeg_draft": True})
     inputs = [(f"JPEG {w}x{h}, ImageNet 224", photo(w, h), imagenet) for w, h in SIZES]
+    inputs += [(f"JPEG {w}x{h}, jpeg_draft", photo(w, h), drafted) for w, h in SIZES[1:]]
     inputs.append(("PNG 28x28 grey, digits", digit(), digits))
     results = {}
     print(f"{'input':<30}{'whole':>9}{'decode':>9}{'geometry':>10}{'tensor':>9}{'textbook':>10}")

@@ -195,3 +195,31 @@ def test_the_tensor_is_the_normalisation_formula_per_channel(
     assert tensor.dtype == np.float32 and tensor.shape == (1, pre.channels, 6, 5)
     assert tensor.flags["C_CONTIGUOUS"]
     np.testing.assert_allclose(tensor, expected, rtol=1e-6, atol=1e-5)
+
+
+def test_jpeg_draft_decodes_a_large_photo_reduced_into_nearly_the_same_tensor() -> None:
+    """With `jpeg_draft`, a 1280x960 JPEG for a 224x224 ImageNet model is decoded at half its
+    size (Pillow's draft), then resized as always: a tensor of the same shape, a little
+    different from the full decode's (so the draft did apply), and close to it. A PNG has no
+    draft: the same tensor either way."""
+    rng = np.random.default_rng(5)
+    x = np.linspace(0, 255, 1280)[None, :, None]
+    y = np.linspace(0, 255, 960)[:, None, None]
+    pixels = (x * 0.6 + y * 0.4 + rng.normal(0, 12, (960, 1280, 3))).clip(0, 255).astype(np.uint8)
+    imagenet = preset("imagenet", (224, 224))
+    full = ImageClassifierHandler.__new__(ImageClassifierHandler)
+    draft = ImageClassifierHandler.__new__(ImageClassifierHandler)
+    full.preprocessing = Preprocessing.from_dict(imagenet)
+    draft.preprocessing = Preprocessing.from_dict({**imagenet, "jpeg_draft": True})
+    full.max_pixels = draft.max_pixels = 25_000_000
+
+    for fmt in ("JPEG", "PNG"):
+        body = io.BytesIO()
+        Image.fromarray(pixels).save(body, format=fmt)
+        whole, reduced = full.image_to_array(body.getvalue()), draft.image_to_array(body.getvalue())
+        assert whole.shape == reduced.shape == (1, 3, 224, 224)
+        difference = float(np.abs(whole - reduced).mean())
+        if fmt == "JPEG":
+            assert 0 < difference < 0.05, difference  # 0.008 measured: half a grey level
+        else:
+            assert difference == 0
