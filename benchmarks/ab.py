@@ -60,9 +60,11 @@ def alternate(
     route: Route | None = None,
 ) -> dict[str, list[float]]:
     """Load each server in turn with wrk (32 connections on scenario A's request, or on
-    `route`) for `rounds` rounds after a warm-up; each one's req/s, round by round. `settle`
-    runs after each load, before the next server's: what one server leaves to do after its
-    round (e.g. exporting spans) must not be charged to the next."""
+    `route`) for `rounds` rounds after a warm-up; each one's req/s, round by round. Each round
+    starts one server later than the one before, so that every server takes every place in the
+    order as often (the first place of a round is not the last's). `settle` runs after each
+    load, before the next server's: what one server leaves to do after its round (e.g.
+    exporting spans) must not be charged to the next."""
     if route is None:
         json_post = {"Content-Type": "application/json"}
         route = Route("torchserve", f"/predictions/{model}", body, json_post)
@@ -71,8 +73,10 @@ def alternate(
         run_wrk(s.url + route.path, 32, 3, 2, route.body, route.headers)  # warm-up
         if settle is not None:
             settle()
+    order = list(servers.items())
     for round_ in range(rounds):
-        for label, s in servers.items():
+        shift = round_ % len(order)
+        for label, s in order[shift:] + order[:shift]:
             load = run_wrk(s.url + route.path, 32, seconds, 2, route.body, route.headers)
             runs[label].append(load.rps)
             if settle is not None:
