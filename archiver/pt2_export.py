@@ -38,6 +38,7 @@ from scriptserve.archiver.model_source import load_eager_model, load_exported_pr
 from scriptserve.archiver.precision import reduced
 from scriptserve.archiver.pt2_check import Pt2Build, call_model, check_at_bound, check_package
 from scriptserve.archiver.pt2_package import is_exported_program, portable_march
+from scriptserve.handlers.runtime.aoti import SHARED_CXX_RUNTIME
 
 if TYPE_CHECKING:
     import torch
@@ -242,7 +243,7 @@ def link_options() -> dict[str, Any]:
 
     if not hasattr(config.aot_inductor, "custom_op_libs"):  # a torch release without the option
         return {}
-    return {"aot_inductor.custom_op_libs": [":libstdc++.so.6"]}
+    return {"aot_inductor.custom_op_libs": [SHARED_CXX_RUNTIME]}
 
 
 def compile_package(program: ExportedProgram, dst: Path, options: Mapping[str, Any]) -> Path:

@@ -73,12 +73,7 @@ def textbook_tensor(pre: Preprocessing, image: Image.Image) -> np.ndarray:
 
 def decode(data: bytes, pre: Preprocessing) -> Image.Image:
     """The image decoded as the handler decodes it (at a reduced scale with `jpeg_draft`)."""
-    mode = "L" if pre.grayscale else "RGB"
-    image = Image.open(io.BytesIO(data))
-    wanted = pre.draft_size(*image.size) if pre.jpeg_draft else None
-    if wanted is not None and image.format == "JPEG":
-        image.draft(mode, wanted)
-    return image.convert(mode)
+    return pre.decode(Image.open(io.BytesIO(data)))
 
 
 def per_item_ms(call: Callable[[], object], images: int) -> float:

@@ -158,6 +158,15 @@ class Preprocessing:
             return (self.resize[1], self.resize[0])
         return None
 
+    def decode(self, image: PILImage) -> PILImage:
+        """An opened image decoded in the model's mode (L or RGB); a JPEG at a reduced scale
+        with `jpeg_draft`, where the resize needs no more of it."""
+        mode = "L" if self.grayscale else "RGB"
+        wanted = self.draft_size(*image.size) if self.jpeg_draft else None
+        if wanted is not None and image.format == "JPEG":
+            image.draft(mode, wanted)
+        return image.convert(mode)
+
     def shape(self, image: PILImage) -> PILImage:
         """A decoded image resized and cropped to the model's height and width."""
         from PIL import Image
@@ -271,11 +280,7 @@ class ImageClassifierHandler(BaseHandler):
                         f"the image is {width}x{height} pixels, more than the "
                         f"{self.max_pixels} this model accepts; send a smaller image"
                     )
-                mode = "L" if pre.grayscale else "RGB"
-                wanted = pre.draft_size(width, height) if pre.jpeg_draft else None
-                if wanted is not None and image.format == "JPEG":
-                    image.draft(mode, wanted)
-                converted = image.convert(mode)
+                converted = pre.decode(image)
         except BadInput:
             raise
         except UnidentifiedImageError:

@@ -187,6 +187,10 @@ class _DlInfo(ctypes.Structure):
     )
 
 
+SHARED_CXX_RUNTIME = ":libstdc++.so.6"
+"""The shared C++ runtime, as Inductor's `aot_inductor.custom_op_libs` names it for the linker
+(`-l:libstdc++.so.6`): found by its file even where the compiler has no `libstdc++.so`."""
+
 _LOCALE_CLASSIC = "_ZNSt6locale7classicEv"
 """std::locale::classic(), which every compiled model's runtime reaches (it parses the device
 name with std::regex, which asks the locale's facets)."""
@@ -195,12 +199,11 @@ name with std::regex, which asks the locale's facets)."""
 def _carries_its_own_cxx_runtime(lib: ctypes.CDLL, so: Path) -> bool:
     """Whether `lib` exports a C++ runtime of its own. Linked with libstdc++'s static archive (by
     a compiler that has no libstdc++.so, or given -static-libstdc++), a model's library holds a
-    copy of libstdc++ whose exported symbols bind
-    in part to the libstdc++ torch loaded: the two copies number std::locale's facets
-    differently, and the runtime's first std::regex fails with std::bad_cast or jumps through
-    the wrong facet's table (SIGSEGV, inside AOTInductorModelContainerCreateWithDevice). A
-    private copy that exports nothing (linked with --exclude-libs) is not found here, and is
-    harmless."""
+    copy of libstdc++ whose exported symbols bind in part to the libstdc++ torch loaded: the two
+    copies number std::locale's facets differently, and the runtime's first std::regex fails
+    with std::bad_cast or jumps through the wrong facet's table (SIGSEGV, inside
+    AOTInductorModelContainerCreateWithDevice). A private copy that exports nothing (linked
+    with --exclude-libs) is not found here, and is harmless."""
     try:
         symbol = getattr(lib, _LOCALE_CLASSIC)
     except AttributeError:
@@ -231,7 +234,7 @@ class AotiLibrary:
                 "or given -static-libstdc++ does): beside the runtime torch uses, it crashes on "
                 "load. Build it again with this model-archiver, which links the shared runtime "
                 "(a package compiled by hand: inductor_configs={'aot_inductor.custom_op_libs': "
-                "[':libstdc++.so.6']})"
+                f"['{SHARED_CXX_RUNTIME}']}})"
             )
         for name, (argtypes, restype) in _ABI.items():
             try:
