@@ -183,6 +183,10 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(
             assert answer(infer(client, proc, "m1")) == 1
             assert answer(infer(client, proc, "m0")) == 0  # m1 is now the least recently used
             assert answer(infer(client, proc, "m2")) == 2
+            # m1 is unloaded by m2's load where two models fit, by m3's where a server that
+            # started smaller than the `sizes` one holds three: either way m1, never m0.
+            assert answer(infer(client, proc, "m0")) == 0
+            assert answer(infer(client, proc, "m3")) == 3
             assert memory(client, proc, "m1")["residence"] == "UNLOADED"
             assert memory(client, proc, "m0")["residence"] == "LOADED"
             labels = {"model": "m1", "version": "1.0"}
