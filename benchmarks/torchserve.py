@@ -24,6 +24,11 @@ from benchmarks.servers import free_port
 BASELINES = Path(__file__).resolve().parent / "baselines"
 CONFIGURATIONS = ((1, 8), (2, 8), (2, 1))
 """(workers, batch size) tried; TorchServe's own guidance is one worker per core or fewer."""
+CONNECTIONS = (8, 32)
+"""Keep-alive clients of one request each, tried for every configuration (by the zoo's served
+runs too): 8 fill one batch of 8; 32 keep a full batch queued behind each of two workers'
+running ones, what a server needs to run full batches back to back (the figure of a server
+at saturation, where latency is the queue's)."""
 
 
 def available() -> str | None:
@@ -137,17 +142,21 @@ def best_rate(
                 if _call("POST", url) != 200:
                     raise RuntimeError(f"TorchServe did not register {name}")
                 predict = f"{inference}/predictions/{name}"
-                load = steady_load(predict, 8, STEADY_WARMUP_S, seconds, body.read_bytes(), headers)
-                runs.append(
-                    {
-                        "workers": workers,
-                        "batch": batch,
-                        "items_s": load.rps,
-                        "p50_ms": load.p50_ms,
-                        "p99_ms": load.p99_ms,
-                        "errors": load.errors,
-                    }
-                )
+                for connections in CONNECTIONS:
+                    load = steady_load(
+                        predict, connections, STEADY_WARMUP_S, seconds, body.read_bytes(), headers
+                    )
+                    runs.append(
+                        {
+                            "workers": workers,
+                            "batch": batch,
+                            "connections": connections,
+                            "items_s": load.rps,
+                            "p50_ms": load.p50_ms,
+                            "p99_ms": load.p99_ms,
+                            "errors": load.errors,
+                        }
+                    )
                 _call("DELETE", f"{management}/models/{name}/1.0")
         finally:
             # The launcher's JVM outlives it unless TorchServe is told to stop.
