@@ -370,7 +370,7 @@ IMAGE_CLASSES = 8
 """Classes of the image task a zoo image classifier's head is fitted to (`fitted_head`)."""
 VALIDATION_IMAGES = 32
 TRAINING_IMAGES = 64
-CLASS_SPREAD = 48
+CLASS_SPREAD = 24
 """How far (in grey levels) an image's coarse colours stray from its class's template."""
 
 
