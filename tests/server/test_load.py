@@ -131,14 +131,17 @@ def test_busy_worker_batches_queued_requests_within_the_max_batch_size(
     assert within1 - within0 == runs, f"a batch exceeded max_batch_size {MAX_BATCH}"
 
 
-def lone_request_queue_latency(server: ServerProcess, model: str) -> tuple[float, float, float]:
-    """(requests, of which queued <= 5 ms, of which queued <= 100 ms) for one lone request."""
+def lone_request_queue_latency(server: ServerProcess, model: str) -> tuple[float, float]:
+    """(requests, of which queued <= 100 ms) for one lone request, as the server measured it.
+
+    100 ms, not less: on two cores shared with the rest of the suite, handing a request to a
+    free worker has taken up to tens of milliseconds. A batch delay holds it for the whole
+    delay (TorchServe's default is 100 ms; the test below configures 200 ms)."""
     labels = {"model": model, "version": "1.0"}
 
-    def read() -> tuple[float, float, float]:
+    def read() -> tuple[float, float]:
         return (
             metric(server, "scriptserve_queue_latency_seconds_count", **labels),
-            metric(server, "scriptserve_queue_latency_seconds_bucket", le="0.005", **labels),
             metric(server, "scriptserve_queue_latency_seconds_bucket", le="0.1", **labels),
         )
 
@@ -148,11 +151,11 @@ def lone_request_queue_latency(server: ServerProcess, model: str) -> tuple[float
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json(), reference_output(x)[0], atol=1e-5)
     after = read()
-    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
+    return after[0] - before[0], after[1] - before[1]
 
 
 def test_lone_request_is_not_delayed_without_a_batch_delay(server: ServerProcess) -> None:
-    assert lone_request_queue_latency(server, "slow") == (1, 1, 1)
+    assert lone_request_queue_latency(server, "slow") == (1, 1)
 
 
 def test_lone_request_waits_out_a_configured_batch_delay(server: ServerProcess) -> None:
@@ -174,4 +177,4 @@ def test_lone_request_waits_out_a_configured_batch_delay(server: ServerProcess) 
     ).json()
     assert described["maxBatchDelay"] == 200
     # Queued for the whole delay (>= 0.2 s), as the server itself measured it.
-    assert lone_request_queue_latency(server, "slow_delayed") == (1, 0, 0)
+    assert lone_request_queue_latency(server, "slow_delayed") == (1, 0)
