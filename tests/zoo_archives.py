@@ -112,6 +112,26 @@ def zoo_reference(built: Built, inputs: dict[str, np.ndarray]) -> np.ndarray:
         return call_model(zoo_eager(built), inputs).numpy()
 
 
+def zoo_greedy(built: Built, prompt: str, tokens: int) -> str:
+    """The eager generator's greedy continuation of `prompt`, at most `tokens` tokens, decoded
+    by its tokenizer (up to its end-of-text token)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(built.root / "tokenizer.json"))
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    model = zoo_eager(built)
+    start = len(ids)
+    for _ in range(tokens):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x))
+        token = int(logits.argmax(-1))
+        if token == tokenizer.token_to_id("<|endoftext|>"):
+            break
+        ids.append(token)
+    return str(tokenizer.decode(ids[start:]))
+
+
 def zoo_torchscript(built: Built) -> Path:
     """The model traced to TorchScript."""
     path = built.root / f"{built.model.name}.pt"

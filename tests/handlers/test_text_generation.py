@@ -10,9 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from tokenizers import Tokenizer
-from zoo_archives import ZooStore, archive_as, zoo_eager, zoo_reference
+from zoo_archives import ZooStore, archive_as, zoo_greedy, zoo_reference
 
 from scriptserve.archiver.archive import open_archive
 from scriptserve.handlers.backends import load_backend
@@ -51,23 +49,6 @@ def answers(generator: TextGenerator, *requests: InferenceRequest) -> list[list[
     return parts
 
 
-def greedy(zoo: ZooStore, prompt: str, tokens: int) -> str:
-    """The eager model's greedy continuation of `prompt`, decoded."""
-    tokenizer = Tokenizer.from_file(str(zoo.model("gpt2").root / "tokenizer.json"))
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    model = zoo_eager(zoo.model("gpt2"))
-    start = len(ids)
-    for _ in range(tokens):
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            logits = model(input_ids=x, attention_mask=torch.ones_like(x))
-        token = int(logits.argmax(-1))
-        if token == tokenizer.token_to_id("<|endoftext|>"):
-            break
-        ids.append(token)
-    return tokenizer.decode(ids[start:])
-
-
 def assert_generates_greedily(zoo: ZooStore, archive: Path, tokens: int = 8) -> None:
     """Each prompt, batched beside the other, streams the eager fp32 model's greedy
     continuation when `archive` serves it."""
@@ -77,7 +58,8 @@ def assert_generates_greedily(zoo: ZooStore, archive: Path, tokens: int = 8) -> 
     for handler in generator_of(archive):
         for prompt, parts in zip(PROMPTS, answers(handler, *requests), strict=True):
             assert all(p.error is None for p in parts), [p.error for p in parts]
-            assert b"".join(p.body for p in parts).decode() == greedy(zoo, prompt, tokens)
+            text = b"".join(p.body for p in parts).decode()
+            assert text == zoo_greedy(zoo.model("gpt2"), prompt, tokens)
 
 
 def test_each_prompt_streams_the_models_greedy_continuation(
@@ -89,7 +71,7 @@ def test_each_prompt_streams_the_models_greedy_continuation(
         assert all(p.error is None for p in parts), [p.error for p in parts]
         assert parts[-1].final and not any(p.final for p in parts[:-1])
         text = b"".join(p.body for p in parts).decode()
-        assert text == greedy(zoo, prompt, 12)
+        assert text == zoo_greedy(zoo.model("gpt2"), prompt, 12)
         assert len(parts) <= 12
 
 
