@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks import models, report
 from benchmarks.loadgen import run_wrk, wrk_path
 from benchmarks.models import Route, routes
-from benchmarks.servers import ServerProcess, free_port
+from benchmarks.servers import ServerProcess, free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,7 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def server(
     label: str, python: str, store: Path, env: dict[str, str], model: str = "mlp"
 ) -> ServerProcess:
-    port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+    port, mgmt, metrics, grpc, grpc_mgmt = free_ports(5)
     argv = [
         python, "-m", "scriptserve", "serve", "--model-store", str(store), "--models", "all",
         "--inference-address", f"127.0.0.1:{port}", "--management-address", f"127.0.0.1:{mgmt}",

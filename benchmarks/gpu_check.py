@@ -430,9 +430,9 @@ class Check:
         return checked
 
     def _server(self, model: str) -> Any:
-        from benchmarks.servers import ServerProcess, free_port
+        from benchmarks.servers import ServerProcess, free_ports
 
-        port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+        port, mgmt, metrics, grpc, grpc_mgmt = free_ports(5)
         argv = [
             sys.executable, "-m", "scriptserve", "serve", "--model-store", str(self.store),
             "--models", f"{model}.mar",

@@ -52,7 +52,7 @@ import psutil
 
 from benchmarks import models, report
 from benchmarks.pt2 import pt2_archive
-from benchmarks.servers import REPO, ServerProcess, free_port
+from benchmarks.servers import REPO, ServerProcess, free_ports
 from benchmarks.zoo import cpu_line
 
 WORK = REPO / "build" / "many_models"
@@ -113,7 +113,7 @@ def popularity(count: int, s: float = 1.1) -> tuple[list[int], list[float]]:
 
 # -- a server ----------------------------------------------------------------------------------
 def server(label: str, store: Path, *args: str) -> ServerProcess:
-    port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+    port, mgmt, metrics, grpc, grpc_mgmt = free_ports(5)
     argv = [
         sys.executable, "-m", "scriptserve", "serve", "--model-store", str(store),
         "--models", "all", "--workers", "1", "--intra-op-threads", "1", "--no-snapshot",

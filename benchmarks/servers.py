@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,9 +21,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now: each socket stays bound until all are chosen, so the
+    kernel cannot hand one port out twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 class ServerProcess:
@@ -144,7 +153,7 @@ def scriptserve(
     Readiness is polled on the model itself: the server-wide /v2/health/ready answers 200 while
     the startup models are still being registered.
     """
-    port, mgmt, metrics, grpc, grpc_mgmt = (free_port() for _ in range(5))
+    port, mgmt, metrics, grpc, grpc_mgmt = free_ports(5)
     argv = [
         sys.executable, "-m", "scriptserve", "serve",
         "--model-store", str(store), "--models", "all", "--device", "cpu",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen import STEADY_WARMUP_S, steady_load
-from benchmarks.servers import free_port
+from benchmarks.servers import free_ports
 
 BASELINES = Path(__file__).resolve().parent / "baselines"
 CONFIGURATIONS = ((1, 8), (2, 8), (2, 1))
@@ -97,8 +97,8 @@ def best_rate(
         root = Path(tmp)
         store = root / "store"
         store.mkdir()
-        _archive(name, torchscript, "image" if kind == "image" else "text", extra, inputs, store)
-        ports = [free_port() for _ in range(3)]
+        _archive(name, torchscript, kind, extra, inputs, store)
+        ports = free_ports(3)
         config = root / "config.properties"
         config.write_text(
             f"inference_address=http://127.0.0.1:{ports[0]}\n"

@@ -4,6 +4,8 @@ bf16 (where the CPU has AVX512-BF16 or AMX), TorchScript and ONNX; OpenVINO's in
 figures on the same model (its default precision, and bf16 where the CPU has it) as the anchor
 to beat; and the `.pt2` archives served over HTTP (items/s, p50, p99). Each figure is also
 given as a fraction of the machine's measured peak (a GEMM microbenchmark, fp32 and int8).
+GPT-2's items are tokens: in process, next-token logits of 8 texts of 128 tokens; served, the
+tokens of greedy continuations (`GENERATED_TOKENS` per request), for both servers.
 
     python -m benchmarks.zoo                         # every model, full size (minutes each)
     python -m benchmarks.zoo --models bert --size small --seconds 3
@@ -138,7 +140,8 @@ def batch_inputs(built: Built, batch: int) -> dict[str, np.ndarray]:
     if built.model.kind != "text":
         return inputs
     config = json.loads((built.root / "config.json").read_text())
-    tokens = min(TEXT_TOKENS, int(config.get("max_position_embeddings", TEXT_TOKENS)))
+    bound = config.get("max_position_embeddings") or config.get("n_positions") or TEXT_TOKENS
+    tokens = min(TEXT_TOKENS, int(bound))
     rows = [
         row[mask != 0]
         for row, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True)
@@ -274,16 +277,61 @@ def _openvino_rate(
 
 
 # -- served ---------------------------------------------------------------------------------
+PROMPT = "the quick brown fox jumps over the lazy dog"
+GENERATED_TOKENS = 16
+"""What a client asks a generator for: the continuation of PROMPT, this many tokens long (it
+has no end-of-text token before them: `generated_tokens` checks). A generator's items are the
+tokens it makes: a request counts GENERATED_TOKENS."""
+
+
+def generates(built: Built) -> bool:
+    return built.model.handler == "text_generator"
+
+
 def request_body(built: Built, directory: Path) -> tuple[Path, dict[str, str]]:
-    """What one client request sends: a 320x240 JPEG, or a text of about 90 tokens."""
+    """What one client request sends: a 320x240 JPEG, a text of about 90 tokens, or for a
+    generator a prompt and how many tokens to make."""
     body = directory / "body"
     if built.model.kind == "image":
         from PIL import Image
 
         Image.new("RGB", (320, 240), (120, 80, 200)).save(body, format="JPEG")
         return body, {"Content-Type": "image/jpeg"}
+    if generates(built):
+        body.write_text(json.dumps({"text_input": PROMPT, "max_tokens": GENERATED_TOKENS}))
+        return body, {"Content-Type": "application/json"}
     body.write_text("the quick brown fox jumps over the lazy dog " * 10)
     return body, {"Content-Type": "text/plain"}
+
+
+def generated_tokens(built: Built) -> int:
+    """Tokens a served request makes: GENERATED_TOKENS for a generator, whose eager greedy
+    continuation of PROMPT is checked to reach that length (a served figure counts them); 1
+    item for every other model."""
+    if not generates(built):
+        return 1
+    if built.root not in _CHECKED:
+        _CHECKED[built.root] = _greedy_length(built)
+    return _CHECKED[built.root]
+
+
+_CHECKED: dict[Path, int] = {}
+
+
+def _greedy_length(built: Built) -> int:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(built.root / "tokenizer.json"))
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    model = eager_model(built)
+    for _ in range(GENERATED_TOKENS):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            token = int(model(input_ids=x, attention_mask=torch.ones_like(x)).argmax(-1))
+        if token == tokenizer.token_to_id("<|endoftext|>"):
+            raise RuntimeError(f"{built.model.name} ends {PROMPT!r} before {GENERATED_TOKENS}")
+        ids.append(token)
+    return GENERATED_TOKENS
 
 
 SHAPES = ((2, 1, 32, 0), (1, 2, 32, 0), (2, 1, 8, 0), (2, 1, 8, 5), (1, 2, 8, 5))
@@ -294,6 +342,9 @@ rate needs large batches; with no delay a worker takes what is queued, with Torc
 settings (batch 8, 5 ms) it waits a little for the batch to fill. An int8 convolution net runs
 8 rows at a time far faster than twice 4, so batches capped at 8 suit it once enough clients
 keep a full batch queued for each worker (`torchserve.CONNECTIONS`)."""
+GENERATOR_SHAPES = ((2, 1, 8, 5), (1, 2, 8, 5))
+"""A generator's shapes: a request is GENERATED_TOKENS model calls, its batch generates together
+(TorchServe's batch of 8 and 5 ms, on one worker per core or one worker on both)."""
 
 
 def served(archive_path: Path, built: Built, seconds: float) -> dict[str, Any]:
@@ -302,7 +353,7 @@ def served(archive_path: Path, built: Built, seconds: float) -> dict[str, Any]:
     run's figure in `runs`."""
     runs = [
         served_as(archive_path, built, seconds, *shape, connections)
-        for shape in SHAPES
+        for shape in (GENERATOR_SHAPES if generates(built) else SHAPES)
         for connections in torchserve.CONNECTIONS
     ]
     best = max(runs, key=lambda run: run["items_s"])
@@ -339,7 +390,7 @@ def served_as(
         "batch": max_batch,
         "delay_ms": delay_ms,
         "connections": connections,
-        "items_s": load.rps,
+        "items_s": load.rps * generated_tokens(built),
         "p50_ms": load.p50_ms,
         "p99_ms": load.p99_ms,
     }
@@ -355,18 +406,23 @@ def torchserve_served(
         print(f"TorchServe left out: {problem}", file=sys.stderr)
         return None
     extra = [p for p in built.extra_files if p.name == "tokenizer.json"]
+    handler = "generate" if generates(built) else built.model.kind
     with tempfile.TemporaryDirectory() as tmp:
         body, headers = request_body(built, Path(tmp))
-        return torchserve.best_rate(
+        best = torchserve.best_rate(
             built.model.name,
             torchscript_file(built, inputs),
-            built.model.kind,
+            handler,
             extra,
             list(inputs),
             body,
             headers,
             seconds,
         )
+    tokens = generated_tokens(built)
+    for run in [best, *best["runs"]]:
+        run["items_s"] *= tokens
+    return best
 
 
 def measure(
@@ -467,8 +523,7 @@ def report(results: list[dict[str, Any]], peak: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # GPT-2 generates (a request is many model calls): its figures are not items/s of one call.
-    parser.add_argument("--models", default=",".join(m for m in ZOO if m != "gpt2"))
+    parser.add_argument("--models", default=",".join(ZOO))
     parser.add_argument("--size", choices=["full", "small"], default="full")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=20.0)
