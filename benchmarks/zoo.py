@@ -115,11 +115,18 @@ def files(name: str, size: str) -> Built:
     return build(name, root, size=size)
 
 
+def fresh(path: Path, built: Built) -> bool:
+    """Whether `path` (an archive, a traced or exported file) was made from the model's current
+    weights: it exists and is newer. A rebuilt model is archived and converted again."""
+    return path.is_file() and path.stat().st_mtime >= built.weights.stat().st_mtime
+
+
 def archive(built: Built, label: str, store: Path, *extra: str) -> Path | str:
     """The archive, or model-archiver's reason for refusing it (an int8 model its accuracy
-    guard refused, say): the benchmark reports it and goes on."""
+    guard refused, say): the benchmark reports it and goes on. An archive in `store` newer than
+    the model's weights is reused."""
     path = store / f"{label}.mar"
-    if path.is_file():
+    if fresh(path, built):
         return path
     argv = built.archiver_args(label, store, "--max-batch", "32", *extra)
     errors = io.StringIO()
@@ -168,7 +175,7 @@ def flops_per_item(built: Built, inputs: Mapping[str, np.ndarray]) -> float:
 
 def torchscript_file(built: Built, inputs: Mapping[str, np.ndarray]) -> Path:
     path = built.root / f"{built.model.name}.pt"
-    if not path.is_file():
+    if not fresh(path, built):
         example = {n: torch.from_numpy(a[:2]) for n, a in inputs.items()}
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
@@ -180,7 +187,7 @@ def torchscript_file(built: Built, inputs: Mapping[str, np.ndarray]) -> Path:
 
 def onnx_file(built: Built, inputs: Mapping[str, np.ndarray]) -> Path:
     path = built.root / f"{built.model.name}.onnx"
-    if not path.is_file():
+    if not fresh(path, built):
         names = list(inputs)
         text = built.model.kind == "text"
         axes = {n: {0: "batch", 1: "seq"} if text else {0: "batch"} for n in names}
