@@ -5,7 +5,6 @@ record a traced batch leaves on its jobs."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 from scriptserve.handlers.base import InferenceResponse
@@ -57,11 +56,13 @@ def hand_back(jobs: list[Job], outcomes: Sequence[object]) -> None:
         jobs[0].future.get_loop().call_soon_threadsafe(deliver, pairs)
 
 
-def traced(jobs: list[Job], worker: int) -> BatchRecord | None:
-    """The record of a batch starting now, left on its jobs, when one of them is traced."""
+def traced(jobs: list[Job], worker: int, started: float) -> BatchRecord | None:
+    """The record of a batch the worker took at `started` (time.monotonic(), before decoding
+    its requests: decoding is the batch's input stage), left on its jobs, when one of them is
+    traced."""
     for job in jobs:
         if job.span_context is not None:
-            record = BatchRecord(jobs, worker, time.monotonic())
+            record = BatchRecord(jobs, worker, started)
             for each in jobs:
                 each.batch = record
             return record

@@ -389,7 +389,7 @@ class WorkerPool(Generic[S]):
         return JobParts([j.future for j in jobs], [j.stream for j in jobs], finish, self.model)
 
     def _run(self, slot: S, jobs: list[Job]) -> None:
-        slot.busy_since = time.monotonic()
+        slot.busy_since = taken = time.monotonic()
         slot.state = WorkerState.BUSY
         times = StageTimes()
         started = time.perf_counter()
@@ -404,7 +404,7 @@ class WorkerPool(Generic[S]):
             return
         self.metrics.observe_taken([job.dequeued - job.enqueued for job in jobs])
         requests = [job.request for job in jobs]
-        record = traced(jobs, slot.id)
+        record = traced(jobs, slot.id, taken)
         capture = self.capture
         try:
             if capture is not None and not capture.done.is_set():
