@@ -343,7 +343,7 @@ class OipBody:
     the encoder of its answer, which needs what the request asked for.
 
         wire = OipBody(body, headers.get(HEADER_LENGTH), headers)
-        served = await dataplane.infer(name, None, wire.decode, protocol="rest")
+        served = await dataplane.submit(name, None, wire.decode, protocol="rest")
         payload, length = wire.encode(served.model_name, served.model_version, served.outputs)
     """
 

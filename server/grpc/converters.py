@@ -30,7 +30,7 @@ from scriptserve.server.codec.tensors import (
     tensor_dtype,
 )
 from scriptserve.server.errors import InvalidInput, ServingError
-from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.models.description import ModelMetadata
 
 M = TypeVar("M")

@@ -81,7 +81,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
-        served = await self.dataplane.infer(
+        served = await self.dataplane.submit(
             request.model_name,
             converters.version_of(request.model_version),
             functools.partial(converters.infer_request, request),
@@ -154,7 +154,7 @@ class TorchServeInferenceServicer(ts_grpc.InferenceAPIsServiceServicer):
         return ts.TorchServeHealthResponse(health=json.dumps(health))
 
     async def _predict(self, request: Any, context: Any) -> ts.PredictionResponse:
-        served = await self.dataplane.infer(
+        served = await self.dataplane.submit(
             request.model_name,
             converters.version_of(request.model_version),
             functools.partial(torchserve.predictions_request, request.input),

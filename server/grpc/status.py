@@ -27,7 +27,7 @@ from scriptserve.server.errors import (
     StreamOverrun,
     Unauthenticated,
 )
-from scriptserve.server.inference.admission import DEADLINE_SLACK_S
+from scriptserve.server.inference.dataplane import DEADLINE_SLACK_S
 from scriptserve.server.observability.access_log import HEADER, current_request_id
 
 GRPC_CODES: dict[type[ServingError], grpc.StatusCode] = {

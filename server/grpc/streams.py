@@ -32,8 +32,8 @@ from scriptserve.server.errors import ServingError
 from scriptserve.server.grpc import converters
 from scriptserve.server.grpc._generated import inference_pb2 as ts
 from scriptserve.server.grpc._generated import open_inference_grpc_pb2 as oip
-from scriptserve.server.inference.admission import Served
 from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.workers.streaming import PartStream
 
 FINAL_RESPONSE = "triton_final_response"

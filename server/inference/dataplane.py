@@ -13,7 +13,7 @@ answer: the worker that ran it resolves it with the `Served` answer or the Servi
 ends it, so a transport awaits it or adds its reply as a callback, and cancels it to withdraw:
 
     future = dataplane.submit("mnist", None, decode, protocol="rest")  # one answer
-    served = await dataplane.infer("mnist", None, decode, protocol="grpc")  # the same, awaited
+    served = await dataplane.submit("mnist", None, decode, protocol="grpc")  # the same, awaited
     stream = dataplane.stream("mnist", None, request, protocol="rest")  # in parts
     answers = await dataplane.infer_many("mnist", None, decode, protocol="rest")  # KServe v1
 """
@@ -35,16 +35,7 @@ from scriptserve.server.errors import (
     ServingError,
     error_for_status,
 )
-from scriptserve.server.inference.admission import (
-    Request,
-    Served,
-    admitted,
-    cancelled_status,
-    decode_checked,
-    decoded,
-    expire,
-    served_by,
-)
+from scriptserve.server.inference.decoding import Admitted, Request, Served, decode_checked
 from scriptserve.server.inference.inflight import InFlight
 from scriptserve.server.inference.pipeline_run import run_pipeline
 from scriptserve.server.models.description import DescribesModels
@@ -57,13 +48,18 @@ from scriptserve.server.observability.tracing import note_answered, note_answere
 from scriptserve.server.observability.tracing import note_model as trace_model
 from scriptserve.server.observability.tracing import pin_model as trace_pin
 from scriptserve.server.settings import ServerSettings
-from scriptserve.server.workers.batching import Job
+from scriptserve.server.workers.batching import DynamicBatcher, Job
 from scriptserve.server.workers.streaming import PartStream, StreamRefused
 
 log = logging.getLogger("scriptserve.dataplane")
 
 UNKNOWN_LABEL = "_unknown"
 """Metric label of a model or version the registry does not hold (no model name starts with _)."""
+CLIENT_CLOSED = 499
+"""Metric status of a request whose client went away first (nginx's "client closed request")."""
+DEADLINE_SLACK_S = 0.05
+"""How near its deadline a call counts as expired: the client's timer and the server's differ by
+the network's latency, so a client's cancel may arrive just before the server's deadline."""
 
 
 class Call:
@@ -135,7 +131,7 @@ class Call:
         except ServingError as exc:
             self.count(exc.status)
             raise
-        run = run_pipeline(plane.infer, pipeline, given, self.timeout_s, self.protocol)
+        run = run_pipeline(plane.submit, pipeline, given, self.timeout_s, self.protocol)
         task = asyncio.ensure_future(run)
         plane._inflight.enter(*self.labels)
         task.add_done_callback(self.end)
@@ -235,19 +231,6 @@ class DataPlane(DescribesModels):
             return call.run_pipeline(pipeline, version, request)
         return call.admit(version, request).future
 
-    async def infer(
-        self,
-        name: str,
-        version: str | None,
-        request: Request,
-        *,
-        protocol: str,
-        timeout_s: float | None = None,
-    ) -> Served:
-        """`submit`, awaited: the answer, or the ServingError raised; cancelled, it withdraws
-        the request."""
-        return await self.submit(name, version, request, protocol=protocol, timeout_s=timeout_s)
-
     def stream(
         self,
         name: str,
@@ -292,7 +275,7 @@ class DataPlane(DescribesModels):
                     "them); ask for predictions instead",
                     status=501,
                 )
-            requests = [decoded(mv, request) for request in decode_checked(mv, decode)]
+            requests = decode_checked(mv, decode)
             if len(requests) > mv.settings.queue_size:
                 raise InvalidInput(
                     f"{len(requests)} {item}s are more than model {name!r} queues "
@@ -369,20 +352,23 @@ class DataPlane(DescribesModels):
     ) -> tuple[Job, asyncio.TimerHandle]:
         """Queue the request with its deadline (with a PartStream when the client takes its
         answer in parts), and the timer that answers 504 at it. A request given as the function
-        that decodes it is decoded by the worker that takes it (`admission.admitted`)."""
+        that decodes it is decoded by the worker that takes it, and every request is checked
+        there (`decoding.Admitted`)."""
         budget = mv.settings.response_timeout_s
         if timeout_s is not None:
             if timeout_s <= 0:
                 raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
         loop = asyncio.get_running_loop()
-        job, source = admitted(mv, request, loop.create_future(), time.monotonic() + budget, stream)
+        admitted = Admitted(mv, request)  # decoded, checked and answered by its worker
+        finish = None if stream else admitted.served  # a stream's PartStream makes each part's
+        deadline = time.monotonic() + budget
+        job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, finish)
         if stream:
-            # `source`, not the job: the job holds the stream, and a cycle would outlive it.
             job.stream = PartStream(
                 job.future,
                 self.settings.stream_max_unread_parts,
-                lambda response: served_by(mv, response, source.outputs),
+                admitted.served,
                 model=(mv.name, mv.version),
                 streaming=mv.streams,
             )
@@ -411,3 +397,20 @@ def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
         raise
     except Exception as exc:
         raise InvalidInput(f"the request could not be decoded ({type(exc).__name__})") from None
+
+
+def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
+    """The deadline timer's end: a job not answered yet is withdrawn and answered 504."""
+    if not job.future.done():
+        batcher.cancel(job)
+        job.future.set_exception(
+            DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s")
+        )
+
+
+def cancelled_status(started: float, timeout_s: float | None) -> int:
+    """The status of a call that was cancelled: its client went away (499), or its own
+    deadline ended it first (504); neither is a server error."""
+    elapsed = time.perf_counter() - started
+    expired = timeout_s is not None and elapsed >= timeout_s - DEADLINE_SLACK_S
+    return DeadlineExceeded.status if expired else CLIENT_CLOSED

@@ -15,7 +15,7 @@ import numpy as np
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ServingError, error_for_status
-from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.models.pipelines import VERSION, Pipeline, Step
 
 STEP_PROTOCOL = "pipeline"
@@ -25,7 +25,7 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 class Infer(Protocol):
-    """`DataPlane.infer`: one request to one model version, awaited."""
+    """`DataPlane.submit`: one request to one model version, whose answer is awaited."""
 
     def __call__(
         self,

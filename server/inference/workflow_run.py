@@ -91,7 +91,7 @@ async def _step(
                 f"workflow {workflow.name!r}: the deadline passed before step {node.name!r}"
             )
         try:
-            served = await plane.infer(
+            served = await plane.submit(
                 node.model,
                 None,
                 request,

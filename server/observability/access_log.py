@@ -15,7 +15,7 @@ sends a usable one (1 to 128 visible ASCII characters), else the protocol's own 
 one the server makes. Each inference request carries it to the workers, whose log lines name
 it, and the answer returns it (`X-Request-Id`; gRPC trailing metadata). The transports open an
 `AccessRecord` per request (`opened`); the data plane fills in what it decides (`note_model`,
-`request_id_for`) through a context variable, so no route passes anything along.
+`request_namer`) through a context variable, so no route passes anything along.
 
     record = AccessRecord("POST", "/predictions/mlp", "127.0.0.1:50312", "rest")
     with opened(record): ...  # the route runs; the data plane notes the model and version
@@ -124,20 +124,11 @@ def note_model(name: str, version: str | None) -> None:
             record.version = version
 
 
-def request_id_for(own: str) -> str:
-    """The id an inference request runs under: the client's header id when it sent one, else
-    `own` (the protocol's id or a new one), which then names the request in the access log."""
-    record = _current.get()
-    if record is None:
-        return own
-    if record.request_id is None:
-        record.request_id = own
-    return record.request_id
-
-
 def request_namer() -> Callable[[str], str]:
-    """`request_id_for` as it stands in this context, to be applied later and from any thread:
-    what names a request that is decoded off the event loop (its own id is known only then)."""
+    """What names this context's request, applied later and from any thread (a request is
+    decoded and named by its worker, `decoding.Admitted`, and its own id is known only then):
+    the client's header id when it sent one, else `own` (the protocol's id or a new one), which
+    then names the request in the access log."""
     record = _current.get()
     if record is None:
         return _own_id

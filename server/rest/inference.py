@@ -159,7 +159,7 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     # -- Triton's generate extension ----------------------------------------------------------
     async def generate_one(request: Request, model_name: str, version: str | None) -> Response:
         body, headers = await request.body(), request.headers
-        served = await dataplane.infer(
+        served = await dataplane.submit(
             model_name,
             version,
             lambda: generate.generate_request(body, headers),

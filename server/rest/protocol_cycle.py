@@ -24,7 +24,7 @@ from scriptserve.handlers.base import InferenceResponse
 from scriptserve.server.codec import oip_json, torchserve
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.errors import PayloadTooLarge, ServingError
-from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.rest.errors import body_too_large, error_body, method_not_allowed
 from scriptserve.server.rest.forms import form_fields
 from scriptserve.server.rest.observe import CLIENT_GONE, Observation, forwarded_scope

@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from scriptserve.handlers.base import InferenceResponse
 from scriptserve.server.codec import generate
 from scriptserve.server.errors import ServingError
-from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.workers.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest.streams")

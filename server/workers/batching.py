@@ -28,7 +28,7 @@ log = logging.getLogger("scriptserve.batching")
 
 Decode = Callable[[], InferenceRequest]
 """Decodes a request as its client sent it, from a worker's thread; raises the ServingError that
-answers it when it cannot (admission.Deferred)."""
+answers it when it cannot (decoding.Admitted)."""
 
 
 @dataclass(eq=False)

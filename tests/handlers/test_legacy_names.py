@@ -99,7 +99,7 @@ def test_an_old_style_handler_is_served_and_its_names_go_with_it(
         x = np.full((1, 8), 0.25, dtype=np.float32)
         for _ in range(20):
             request = InferenceRequest(inputs={"x": x}, outputs=[])
-            served = await dataplane.infer("old", None, request, protocol="test")
+            served = await dataplane.submit("old", None, request, protocol="test")
             assert np.allclose(served.outputs[0][1], reference_output(x), atol=1e-5)
         assert entered[0] == after_load  # 20 batches entered nothing more
         await management.unregister("old", None)

@@ -25,8 +25,8 @@ from scriptserve.server.errors import (
     QueueFull,
     ServingError,
 )
-from scriptserve.server.inference.admission import Served
 from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.models.management import Management, Registration, Scaling
 from scriptserve.server.models.registry import ModelRegistry
 from scriptserve.server.observability.metrics import ServerMetrics
@@ -114,7 +114,7 @@ async def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
 @pytest.mark.anyio
 async def test_the_answer_names_the_version_that_served_it(plane: Plane) -> None:
     dp = plane.dataplane
-    task = asyncio.create_task(dp.infer("tiny", None, _request([]), protocol="test"))
+    task = asyncio.ensure_future(dp.submit("tiny", None, _request([]), protocol="test"))
     mv = plane.registry.get("tiny", "1.0")
     await _until(lambda: dp.inflight == 1 and mv.batcher is not None and mv.batcher.depth == 0)
     # The default changes while the request runs on version 1.0: the answer still says 1.0.
@@ -122,7 +122,7 @@ async def test_the_answer_names_the_version_that_served_it(plane: Plane) -> None
     served = await task
     assert served.model_version == "1.0"
     assert np.allclose(served.outputs[0][1], reference_output(X), atol=1e-5)
-    again = await dp.infer("tiny", None, _request([]), protocol="test")
+    again = await dp.submit("tiny", None, _request([]), protocol="test")
     assert again.model_version == "2.0"
     assert np.allclose(again.outputs[0][1], 2 * reference_output(X), atol=1e-5)
 
@@ -130,12 +130,12 @@ async def test_the_answer_names_the_version_that_served_it(plane: Plane) -> None
 @pytest.mark.anyio
 async def test_outputs_are_selected_for_tensor_protocols_only(plane: Plane) -> None:
     dp = plane.dataplane
-    tensors = await dp.infer("tiny", "2.0", _request(["output0"]), protocol="test")
+    tensors = await dp.submit("tiny", "2.0", _request(["output0"]), protocol="test")
     assert [name for name, _ in tensors.outputs] == ["output0"]
-    as_is = await dp.infer("tiny", "2.0", _request(None), protocol="test")
+    as_is = await dp.submit("tiny", "2.0", _request(None), protocol="test")
     assert as_is.outputs == [] and set(as_is.response.outputs) == {"output0"}
     with pytest.raises(InvalidInput, match=r"unknown output\(s\) nope"):
-        await dp.infer("tiny", "2.0", _request(["nope"]), protocol="test")
+        await dp.submit("tiny", "2.0", _request(["nope"]), protocol="test")
     assert plane.requests(400, "2.0") == 1
     assert plane.requests(200, "2.0") == 2
 
@@ -149,10 +149,10 @@ async def test_the_model_is_checked_before_the_request_is_decoded(plane: Plane) 
         raise InvalidInput("the body is not valid JSON")
 
     with pytest.raises(ModelNotFound, match="model 'nope' is not registered"):
-        await plane.dataplane.infer("nope", None, decode, protocol="test")
+        await plane.dataplane.submit("nope", None, decode, protocol="test")
     assert decoded == []
     with pytest.raises(InvalidInput, match="not valid JSON"):
-        await plane.dataplane.infer("tiny", "2.0", decode, protocol="test")
+        await plane.dataplane.submit("tiny", "2.0", decode, protocol="test")
     assert decoded == [True]
 
 
@@ -171,7 +171,7 @@ async def test_a_request_sent_as_its_decoder_is_decoded_by_the_worker(plane: Pla
 
     dp = plane.dataplane
     calls = [
-        dp.infer("tiny", "1.0", functools.partial(decode, good), protocol="test")
+        dp.submit("tiny", "1.0", functools.partial(decode, good), protocol="test")
         for good in (True, True, False, True)
     ]
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
@@ -189,9 +189,9 @@ async def test_a_stream_request_can_be_withdrawn(plane: Plane) -> None:
     dp = plane.dataplane
     mv = plane.registry.get("tiny", "1.0")
     assert mv.batcher is not None
-    first = asyncio.ensure_future(dp.infer("tiny", "1.0", _request([]), protocol="test"))
+    first = asyncio.ensure_future(dp.submit("tiny", "1.0", _request([]), protocol="test"))
     await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0 and dp.inflight == 1)
-    queued = asyncio.ensure_future(dp.infer("tiny", "1.0", _request([]), protocol="test"))
+    queued = asyncio.ensure_future(dp.submit("tiny", "1.0", _request([]), protocol="test"))
     await _until(lambda: mv.batcher is not None and mv.batcher.depth == 1)
     queued.cancel()
     await _until(lambda: mv.batcher is not None and mv.batcher.depth == 0, timeout_s=0.5)
@@ -240,8 +240,11 @@ async def test_the_future_submit_returns_is_the_answer_counted_before_any_reply(
 @pytest.mark.anyio
 async def test_a_full_queue_answers_at_once(plane: Plane) -> None:
     dp = plane.dataplane
-    calls = [dp.infer("tiny", "1.0", _request([]), protocol="test") for _ in range(6)]
-    results = await asyncio.gather(*calls, return_exceptions=True)
+
+    async def one() -> Served:  # a refusal is raised by submit itself, before any await
+        return await dp.submit("tiny", "1.0", _request([]), protocol="test")
+
+    results = await asyncio.gather(*(one() for _ in range(6)), return_exceptions=True)
     refused = [r for r in results if isinstance(r, QueueFull)]
     assert refused and all(isinstance(r, (Served, QueueFull)) for r in results)
     assert "retry later" in refused[0].message
@@ -250,12 +253,12 @@ async def test_a_full_queue_answers_at_once(plane: Plane) -> None:
 @pytest.mark.anyio
 async def test_drain_waits_for_accepted_requests_and_then_refuses(plane: Plane) -> None:
     dp = plane.dataplane
-    task = asyncio.create_task(dp.infer("tiny", "1.0", _request([]), protocol="test"))
+    task = asyncio.ensure_future(dp.submit("tiny", "1.0", _request([]), protocol="test"))
     await _until(lambda: dp.inflight == 1)
     assert await dp.drain(timeout_s=30.0)
     assert task.done() and (await task).model_version == "1.0"
     with pytest.raises(ModelNotReady, match="shutting down"):
-        await dp.infer("tiny", "1.0", _request([]), protocol="test")
+        await dp.submit("tiny", "1.0", _request([]), protocol="test")
     assert not dp.ready()
 
 
@@ -264,7 +267,9 @@ async def test_drain_reports_requests_still_running(store: Path) -> None:
     plane = Plane(store)
     await plane.management.register(Registration(url="tiny-1.0"))
     try:
-        task = asyncio.create_task(plane.dataplane.infer("tiny", None, _request([]), protocol="t"))
+        task = asyncio.ensure_future(
+            plane.dataplane.submit("tiny", None, _request([]), protocol="t")
+        )
         await _until(lambda: plane.dataplane.inflight == 1)
         assert not await plane.dataplane.drain(timeout_s=0.0)
         await task

@@ -59,7 +59,7 @@ class Node:
 
     async def ask(self, name: str) -> int:
         request = InferenceRequest(inputs={"x": np.full((1, 8), 0.5, np.float32)}, outputs=[])
-        served = await self.dataplane.infer(name, None, request, protocol="test")
+        served = await self.dataplane.submit(name, None, request, protocol="test")
         await self.settled(name)
         return int(served.outputs[0][1][0, 0])
 

@@ -14,7 +14,7 @@ from scriptserve.handlers.base import InferenceResponse
 from scriptserve.handlers.runtime.signature import TensorSpec
 from scriptserve.server.errors import InvalidInput, ModelNotFound
 from scriptserve.server.grpc import converters
-from scriptserve.server.inference.admission import Served
+from scriptserve.server.inference.decoding import Served
 from scriptserve.server.models.description import ModelMetadata
 
 

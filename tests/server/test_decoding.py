@@ -8,7 +8,7 @@ import pytest
 
 from scriptserve.handlers.runtime.signature import Signature, TensorSpec
 from scriptserve.server.errors import InvalidInput
-from scriptserve.server.inference.admission import check_signature, select_outputs
+from scriptserve.server.inference.decoding import check_signature, select_outputs
 
 
 def test_outputs_are_selected_in_the_order_asked() -> None:
