@@ -143,9 +143,15 @@ def add_input(inputs: dict[str, np.ndarray], name: str, array: np.ndarray) -> No
     inputs[name] = array
 
 
+def raw_output(array: np.ndarray) -> tuple[str, bytes]:
+    """An output's datatype and raw bytes (gRPC's `raw_output_contents`)."""
+    raw = encode_raw(array)
+    return datatype_of(array.dtype), raw
+
+
 def encode_raw(array: np.ndarray) -> bytes:
-    """An output's raw bytes."""
-    if datatype_of(array.dtype) == "BYTES":
+    """An output's raw bytes: BYTES elements (bytes, str or objects) length-prefixed."""
+    if array.dtype.kind in ("S", "U", "O"):
         parts = []
         for item in array.ravel():
             data = item if isinstance(item, bytes) else str(item).encode()

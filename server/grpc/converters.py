@@ -20,13 +20,12 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from scriptserve.handlers.base import InferenceRequest
-from scriptserve.handlers.runtime.signature import datatype_of
 from scriptserve.server.codec.tensors import (
     add_input,
     check_shape,
     decode_raw,
-    encode_raw,
     from_values,
+    raw_output,
     tensor_dtype,
 )
 from scriptserve.server.errors import InvalidInput, ServingError
@@ -110,8 +109,9 @@ def fill_infer_response(served: Served, request_id: str, response: M) -> M:
     message.model_version = served.model_version
     message.id = request_id
     for name, array in served.outputs:
-        message.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        message.raw_output_contents.append(encode_raw(array))
+        datatype, raw = raw_output(array)
+        message.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        message.raw_output_contents.append(raw)
     return response
 
 

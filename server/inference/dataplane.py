@@ -372,7 +372,7 @@ class DataPlane(DescribesModels):
                 model=(mv.name, mv.version),
                 streaming=mv.streams,
             )
-        mv.batcher.submit(job)
+        mv.batcher.put(job)
         note_queued(job, mv.name, mv.version)
         return job, loop.call_later(budget, expire, job, mv.batcher, budget)
 

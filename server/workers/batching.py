@@ -1,6 +1,6 @@
 """DynamicBatcher: a bounded queue per model version that worker threads drain in batches.
 
-The event loop `submit`s jobs; it never blocks (a full queue raises `QueueFull` at once). A worker
+The event loop `put`s jobs; it never blocks (a full queue raises `QueueFull` at once). A worker
 thread calls `next_batch`: it blocks for the first job, then takes whatever else is queued, up to
 `max_batch_size`. With `max_batch_delay` > 0 it waits for more until the first job has waited
 that long; with 0 it never waits, so batches form only from requests that arrived while workers
@@ -148,7 +148,7 @@ class DynamicBatcher:
         """Jobs waiting (not yet taken by a worker, not cancelled)."""
         return self._pending
 
-    def submit(self, job: Job) -> None:
+    def put(self, job: Job) -> None:
         with self._cond:
             if self._closed:
                 raise ModelNotReady("the model is shutting down; retry on another replica")

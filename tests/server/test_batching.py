@@ -47,7 +47,7 @@ def test_delay_zero_returns_what_is_queued_up_to_the_batch_size_without_waiting(
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
     jobs = [make_job() for _ in range(6)]
     for job in jobs:
-        batcher.submit(job)
+        batcher.put(job)
     assert batcher.depth == 6
 
     started = time.monotonic()
@@ -65,7 +65,7 @@ def test_delay_zero_blocked_worker_takes_a_lone_job_at_once(make_job: JobFactory
     out = in_thread(batcher)
     job = make_job()
     submitted = time.monotonic()
-    batcher.submit(job)
+    batcher.put(job)
     batch = out.get(timeout=5)
     assert batch.jobs == [job]
     assert job.taken
@@ -76,10 +76,10 @@ def test_delay_waits_for_more_until_the_first_job_is_that_old(make_job: JobFacto
     delay = 0.2
     batcher = DynamicBatcher(max_batch_size=8, max_batch_delay_s=delay, max_queue_size=100)
     first = make_job()
-    batcher.submit(first)
+    batcher.put(first)
     out = in_thread(batcher)
     second = make_job()
-    batcher.submit(second)
+    batcher.put(second)
     batch = out.get(timeout=5)
     returned = time.monotonic()
     assert batch.jobs == [first, second]
@@ -91,10 +91,10 @@ def test_delay_waits_for_more_until_the_first_job_is_that_old(make_job: JobFacto
 def test_delay_returns_early_when_the_batch_is_full(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=3, max_batch_delay_s=30.0, max_queue_size=100)
     jobs = [make_job() for _ in range(4)]
-    batcher.submit(jobs[0])
+    batcher.put(jobs[0])
     out = in_thread(batcher)
     for job in jobs[1:]:
-        batcher.submit(job)
+        batcher.put(job)
     batch = out.get(timeout=5)  # long before the 30 s delay
     assert batch.jobs == jobs[:3]
     assert batcher.depth == 1
@@ -102,10 +102,10 @@ def test_delay_returns_early_when_the_batch_is_full(make_job: JobFactory) -> Non
 
 def test_full_queue_raises_queue_full_with_retry_after(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=2)
-    batcher.submit(make_job())
-    batcher.submit(make_job())
+    batcher.put(make_job())
+    batcher.put(make_job())
     with pytest.raises(QueueFull) as info:
-        batcher.submit(make_job())
+        batcher.put(make_job())
     assert info.value.status == 503
     assert info.value.headers["Retry-After"].isdigit()
     assert "full" in info.value.message
@@ -115,12 +115,12 @@ def test_full_queue_raises_queue_full_with_retry_after(make_job: JobFactory) -> 
 def test_cancel_frees_the_slot_and_the_job_is_never_returned(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=2)
     gone, kept = make_job(), make_job()
-    batcher.submit(gone)
-    batcher.submit(kept)
+    batcher.put(gone)
+    batcher.put(kept)
     batcher.cancel(gone)
     assert batcher.depth == 1
     late = make_job()
-    batcher.submit(late)  # fits: the cancelled job's slot is free
+    batcher.put(late)  # fits: the cancelled job's slot is free
     batcher.cancel(gone)  # cancelling twice changes nothing
     assert batcher.depth == 2
     batch = batcher.next_batch(threading.Event())
@@ -133,8 +133,8 @@ def test_cancel_frees_the_slot_and_the_job_is_never_returned(make_job: JobFactor
 def test_expired_jobs_come_back_separately(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
     late, live = make_job(deadline_in_s=-1.0), make_job()
-    batcher.submit(late)
-    batcher.submit(live)
+    batcher.put(late)
+    batcher.put(live)
     batch = batcher.next_batch(threading.Event())
     assert batch.jobs == [live]
     assert batch.expired == [late]
@@ -145,7 +145,7 @@ def test_only_expired_jobs_still_wake_the_worker(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
     out = in_thread(batcher)
     late = make_job(deadline_in_s=-1.0)
-    batcher.submit(late)
+    batcher.put(late)
     batch = out.get(timeout=5)
     assert batch.jobs == []
     assert batch.expired == [late]
@@ -155,7 +155,7 @@ def test_take_all_empties_the_queue(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
     jobs = [make_job() for _ in range(5)]
     for job in jobs:
-        batcher.submit(job)
+        batcher.put(job)
     batcher.cancel(jobs[2])
     taken = batcher.take_all()
     assert taken == [jobs[0], jobs[1], jobs[3], jobs[4]]
@@ -168,10 +168,10 @@ def test_take_all_empties_the_queue(make_job: JobFactory) -> None:
 def test_close_refuses_new_jobs_but_hands_out_queued_ones(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
     queued = make_job()
-    batcher.submit(queued)
+    batcher.put(queued)
     batcher.close()
     with pytest.raises(ModelNotReady) as info:
-        batcher.submit(make_job())
+        batcher.put(make_job())
     assert info.value.status == 503
     assert batcher.next_batch(threading.Event()).jobs == [queued]
 
@@ -198,7 +198,7 @@ def test_stop_makes_a_blocked_next_batch_return_empty(make_job: JobFactory, wake
 def test_stop_during_the_delay_returns_what_was_taken(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=30.0, max_queue_size=100)
     job = make_job()
-    batcher.submit(job)
+    batcher.put(job)
     stop = threading.Event()
     out = in_thread(batcher, stop)
     # Wait (polling, with a deadline) until the worker holds the job, then stop it.
@@ -228,7 +228,7 @@ def test_concurrent_consumers_take_every_job_exactly_once(make_job: JobFactory) 
         t.start()
     jobs = [make_job() for _ in range(total)]
     for job in jobs:
-        batcher.submit(job)
+        batcher.put(job)
     deadline = time.monotonic() + 30
     while sum(map(len, seen)) < total and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -253,7 +253,7 @@ def waiting_for_empty(batcher: DynamicBatcher, timeout_s: float = 10.0) -> queue
 def test_wait_empty_returns_at_once_when_nothing_waits(make_job: JobFactory) -> None:
     batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
     assert batcher.wait_empty(0.0)
-    batcher.submit(make_job())
+    batcher.put(make_job())
     started = time.monotonic()
     assert not batcher.wait_empty(0.05)  # a job still waits: it gives up at its timeout
     assert time.monotonic() - started >= 0.05
@@ -264,7 +264,7 @@ def test_wait_empty_wakes_when_the_last_job_leaves(make_job: JobFactory, how: st
     batcher = DynamicBatcher(max_batch_size=2, max_batch_delay_s=0, max_queue_size=100)
     jobs = [make_job() for _ in range(3)]
     for job in jobs:
-        batcher.submit(job)
+        batcher.put(job)
     out = waiting_for_empty(batcher)
     if how == "taken":
         assert len(batcher.next_batch(threading.Event()).jobs) == 2

@@ -104,7 +104,7 @@ def submit(mv: ModelVersion, req: InferenceRequest) -> Job:
     """Queue a request as the data plane does; its answer comes as the job's future."""
     loop = asyncio.get_running_loop()
     job = Job(req, loop.create_future(), deadline=time.monotonic() + ANSWER_S)
-    mv.batcher.submit(job)
+    mv.batcher.put(job)
     return job
 
 

@@ -15,6 +15,7 @@ from scriptserve.server.codec.tensors import (
     decode_raw,
     encode_raw,
     from_values,
+    raw_output,
 )
 from scriptserve.server.errors import InvalidInput
 
@@ -87,7 +88,7 @@ def test_raw_bytes_must_match_the_shape_exactly() -> None:
 def test_raw_bytes_elements_are_length_prefixed() -> None:
     raw = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 0)
     assert decode_raw("t", "BYTES", [2], raw).tolist() == [b"hi", b""]
-    assert encode_raw(np.array([b"hi", b""], dtype=np.object_)) == raw
+    assert raw_output(np.array([b"hi", b""], dtype=np.object_)) == ("BYTES", raw)
     with pytest.raises(InvalidInput, match="truncated BYTES element length"):
         decode_raw("t", "BYTES", [2], raw + b"\x01")
     with pytest.raises(InvalidInput, match="needs 3 BYTES elements"):

@@ -64,7 +64,7 @@ def request(first: float = 0.0, second: float = 0.0, seed: int = 0) -> Inference
 def submit(batcher: DynamicBatcher, req: InferenceRequest) -> Job:
     loop = asyncio.get_running_loop()
     job = Job(req, loop.create_future(), deadline=time.monotonic() + 60)
-    batcher.submit(job)
+    batcher.put(job)
     return job
 
 

@@ -149,7 +149,7 @@ def submit(pool: WorkerPool[Any], request: InferenceRequest, deadline_s: float =
     """Queue a request as the data plane does (from the loop); its answer comes as the future."""
     loop = asyncio.get_running_loop()
     job = Job(request, loop.create_future(), deadline=time.monotonic() + deadline_s)
-    pool.batcher.submit(job)
+    pool.batcher.put(job)
     return job
 
 
