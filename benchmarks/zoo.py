@@ -39,7 +39,7 @@ from benchmarks import torchserve
 from benchmarks.loadgen import STEADY_WARMUP_S, steady_load
 from benchmarks.report import write_results
 from benchmarks.servers import scriptserve
-from examples.zoo import ZOO, Built, build, built_in
+from examples.zoo import ZOO, Built, build, built_in, greedy_continuation
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.archiver.precision import precision_isa
@@ -326,19 +326,10 @@ _CHECKED: dict[Path, int] = {}
 
 
 def _greedy_length(built: Built) -> int:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(built.root / "tokenizer.json"))
-    ids = tokenizer.encode(PROMPT, add_special_tokens=False).ids
-    model = eager_model(built)
-    for _ in range(GENERATED_TOKENS):
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            token = int(model(input_ids=x, attention_mask=torch.ones_like(x)).argmax(-1))
-        if token == tokenizer.token_to_id("<|endoftext|>"):
-            raise RuntimeError(f"{built.model.name} ends {PROMPT!r} before {GENERATED_TOKENS}")
-        ids.append(token)
-    return GENERATED_TOKENS
+    continuation = greedy_continuation(built, eager_model(built), PROMPT, GENERATED_TOKENS)
+    if continuation.ended:
+        raise RuntimeError(f"{built.model.name} ends {PROMPT!r} before {GENERATED_TOKENS}")
+    return continuation.tokens
 
 
 SHAPES = ((2, 1, 32, 0), (1, 2, 32, 0), (2, 1, 8, 0), (2, 1, 8, 5), (1, 2, 8, 5))

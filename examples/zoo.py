@@ -322,6 +322,37 @@ def validation_texts(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(4, 25)))) for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """A generator's greedy continuation of a prompt."""
+
+    text: str
+    tokens: int
+    ended: bool
+    """It stopped at the tokenizer's end-of-text token, before the tokens asked for."""
+
+
+def greedy_continuation(built: Built, model: Any, prompt: str, tokens: int) -> Continuation:
+    """`model`'s (the eager generator's) greedy continuation of `prompt`, at most `tokens`
+    tokens: one call per token over the whole context (no key/value cache), decoded by its
+    tokenizer. The reference a served generator's answer is held against."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(built.root / "tokenizer.json"))
+    end = tokenizer.token_to_id("<|endoftext|>")
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    start = len(ids)
+    for _ in range(tokens):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            token = int(model(input_ids=x, attention_mask=torch.ones_like(x)).argmax(-1))
+        if token == end:
+            return Continuation(str(tokenizer.decode(ids[start:])), len(ids) - start, True)
+        ids.append(token)
+    return Continuation(str(tokenizer.decode(ids[start:])), len(ids) - start, False)
+
+
 def _config(model: ZooModel, size: str) -> Any:
     import transformers
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from pt2models import INDUCTOR_CACHE, run_child, workdir
 
-from examples.zoo import Built, built_in
+from examples.zoo import Built, built_in, greedy_continuation
 from scriptserve.archiver.pt2_check import call_model
 
 MODELS = ("bert", "embedder", "gpt2", "resnet50", "vit")
@@ -118,21 +118,7 @@ def zoo_reference(built: Built, inputs: dict[str, np.ndarray]) -> np.ndarray:
 def zoo_greedy(built: Built, prompt: str, tokens: int) -> str:
     """The eager generator's greedy continuation of `prompt`, at most `tokens` tokens, decoded
     by its tokenizer (up to its end-of-text token)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(built.root / "tokenizer.json"))
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    model = zoo_eager(built)
-    start = len(ids)
-    for _ in range(tokens):
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            logits = model(input_ids=x, attention_mask=torch.ones_like(x))
-        token = int(logits.argmax(-1))
-        if token == tokenizer.token_to_id("<|endoftext|>"):
-            break
-        ids.append(token)
-    return str(tokenizer.decode(ids[start:]))
+    return greedy_continuation(built, zoo_eager(built), prompt, tokens).text
 
 
 def zoo_torchscript(built: Built) -> Path:
