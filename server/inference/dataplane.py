@@ -36,17 +36,13 @@ from scriptserve.server.errors import (
     error_for_status,
 )
 from scriptserve.server.inference.decoding import Admitted, Request, Served, decode_checked
-from scriptserve.server.inference.inflight import InFlight
 from scriptserve.server.inference.pipeline_run import run_pipeline
 from scriptserve.server.models.description import DescribesModels
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
 from scriptserve.server.models.pipelines import Pipeline
 from scriptserve.server.models.registry import ModelRegistry, ModelState, ModelVersion
-from scriptserve.server.observability.access_log import note_model, pin_model
+from scriptserve.server.observability import access_log, tracing
 from scriptserve.server.observability.metrics import ServerMetrics
-from scriptserve.server.observability.tracing import note_answered, note_answered_when, note_queued
-from scriptserve.server.observability.tracing import note_model as trace_model
-from scriptserve.server.observability.tracing import pin_model as trace_pin
 from scriptserve.server.settings import ServerSettings
 from scriptserve.server.workers.batching import DynamicBatcher, Job
 from scriptserve.server.workers.streaming import PartStream, StreamRefused
@@ -62,6 +58,47 @@ DEADLINE_SLACK_S = 0.05
 the network's latency, so a client's cancel may arrive just before the server's deadline."""
 
 
+class InFlight:
+    """The count of requests in flight per (model, version), and the moment it reaches zero."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def total(self) -> int:
+        """Requests in flight across every model."""
+        return sum(self._counts.values())
+
+    def of(self, name: str, version: str) -> int:
+        return self._counts.get((name, version), 0)
+
+    def arrive(self, name: str, version: str) -> None:
+        """A request to the model version (or the pipeline) `name` `version` is in flight."""
+        key = (name, version)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        self._idle.clear()
+
+    def depart(self, name: str, version: str) -> None:
+        key = (name, version)
+        left = self._counts[key] - 1
+        if left:
+            self._counts[key] = left
+        else:
+            del self._counts[key]
+            if not self._counts:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight, at most `timeout_s`; True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
 class Call:
     """One request in the data plane, from its admission to its last metric: what serves it (a
     model version, whose job and deadline timer it holds, or a pipeline, whose steps run as a
@@ -75,9 +112,11 @@ class Call:
         "name",
         "plane",
         "protocol",
+        "record",
         "started",
         "timeout_s",
         "timer",
+        "trace",
     )
 
     def __init__(self, plane: DataPlane, name: str, protocol: str, timeout_s: float | None) -> None:
@@ -90,6 +129,10 @@ class Call:
         """Once known: the name and version it is counted under (its metric labels)."""
         self.mv: ModelVersion | None = None
         """Once resolved: the model version that serves it; None for a pipeline's request."""
+        self.record = access_log.current()
+        """Its access line, while the access log is on."""
+        self.trace = tracing.current()
+        """Its span, while tracing is on."""
 
     def admit(self, version: str | None, request: Request, streaming: bool = False) -> Job:
         """Resolve the model version and queue the request with its deadline (with a
@@ -97,15 +140,16 @@ class Call:
         raises the ServingError that answers it, counted."""
         plane = self.plane
         try:
-            mv = self.mv = plane._serving(self.name, version, streaming)
+            mv = self.mv = self.resolve(version, streaming)
             self.labels = (mv.name, mv.version)
-            self.job, self.timer = plane._enqueue(mv, request, self.timeout_s, streaming)
+            self.job, self.timer = self.queue(mv, request, streaming)
         except ServingError as exc:
             self.count(exc.status)
             raise
-        plane._inflight.enter(*self.labels)
+        plane._inflight.arrive(*self.labels)
         future = self.job.future
-        note_answered_when(future)
+        if self.trace is not None:
+            self.trace.answered_when(future)
         future.add_done_callback(self.end)
         return self.job
 
@@ -123,8 +167,7 @@ class Call:
                     f"pipeline {pipeline.name!r} has no version {version!r} (versions: "
                     f"{PIPELINE_VERSION})"
                 )
-            pin_model(pipeline.name, PIPELINE_VERSION)
-            trace_pin(pipeline.name, PIPELINE_VERSION)
+            self.note_model(pipeline.name, PIPELINE_VERSION, pin=True)
             if plane.refusing:
                 raise ModelNotReady("the server is shutting down; retry on another replica")
             given = request if isinstance(request, InferenceRequest) else _decoded(request)
@@ -133,9 +176,75 @@ class Call:
             raise
         run = run_pipeline(plane.submit, pipeline, given, self.timeout_s, self.protocol)
         task = asyncio.ensure_future(run)
-        plane._inflight.enter(*self.labels)
+        plane._inflight.arrive(*self.labels)
         task.add_done_callback(self.end)
         return task
+
+    def resolve(self, version: str | None, streaming: bool = False) -> ModelVersion:
+        """The model version that serves the request, noted in its access line and span; 404
+        when unknown, 503 when the server refuses new requests or the version cannot serve."""
+        plane, name = self.plane, self.name
+        self.note_model(name, version)
+        if plane.refusing:
+            raise ModelNotReady("the server is shutting down; retry on another replica")
+        mv = plane.registry.get(name, version)
+        self.note_model(name, mv.version)
+        if mv.state is ModelState.FAILED:
+            raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
+        residency = mv.residency
+        residency.last_used = time.monotonic()
+        if residency.parked:
+            # Not loaded (lazy, or unloaded to make room): the request waits in its queue for
+            # the load its first request starts, bounded by its deadline.
+            plane.registry.memory.wanted(mv)
+        elif mv.pool.size == 0:
+            raise ModelNotReady(
+                f"model {name!r} version {mv.version} is scaled to 0 workers; scale it up "
+                "(PUT /models/NAME?min_worker=1) or use another version"
+            )
+        elif not mv.serving:
+            raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
+        if mv.streams and not streaming:
+            raise StreamRefused(name)
+        return mv
+
+    def queue(
+        self, mv: ModelVersion, request: Request, stream: bool = False
+    ) -> tuple[Job, asyncio.TimerHandle]:
+        """Queue the request with its deadline (with a PartStream when the client takes its
+        answer in parts), and the timer that answers 504 at it. A request given as the function
+        that decodes it is decoded by the worker that takes it, and every request is checked
+        there (`decoding.Admitted`)."""
+        budget = mv.settings.response_timeout_s
+        if self.timeout_s is not None:
+            if self.timeout_s <= 0:
+                raise DeadlineExceeded("the request's deadline passed before it was queued")
+            budget = min(budget, self.timeout_s)  # a client may shorten it, never lengthen
+        loop = asyncio.get_running_loop()
+        admitted = Admitted(mv, request)  # decoded, checked and answered by its worker
+        finish = None if stream else admitted.served  # a stream's PartStream makes each part's
+        deadline = time.monotonic() + budget
+        job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, finish)
+        if stream:
+            job.stream = PartStream(
+                job.future,
+                self.plane.settings.stream_max_unread_parts,
+                admitted.served,
+                model=(mv.name, mv.version),
+                streaming=mv.streams,
+            )
+        if self.trace is not None:
+            self.trace.note_queued(job, mv.name, mv.version)  # before a worker can take it
+        mv.batcher.put(job)
+        return job, loop.call_later(budget, expire, job, mv.batcher, budget)
+
+    def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
+        """The request's model (and version, once known) in its access line and span; `pin`
+        sets it for good (a pipeline's request: its steps' models do not replace it)."""
+        if self.record is not None:
+            self.record.note_model(name, version, pin)
+        if self.trace is not None:
+            self.trace.note_model(name, version, pin)
 
     def end(self, future: asyncio.Future[Served]) -> None:
         """The request's future is done: its answer, its error, or cancelled (the client went
@@ -147,7 +256,7 @@ class Call:
             self.timer.cancel()
             if future.cancelled():
                 mv.batcher.cancel(self.job)  # the client went away: free its slot if queued
-        self.plane._inflight.leave(*labels)
+        self.plane._inflight.depart(*labels)
         if future.cancelled():
             status = cancelled_status(self.started, self.timeout_s)
         else:
@@ -267,7 +376,7 @@ class DataPlane(DescribesModels):
         status = 500
         queued: list[tuple[Job, asyncio.TimerHandle]] = []
         try:
-            mv = call.mv = self._serving(name, version)
+            mv = call.mv = call.resolve(version)
             call.labels = (mv.name, mv.version)
             if explain and not mv.explains:
                 raise MethodNotAllowed(
@@ -282,14 +391,15 @@ class DataPlane(DescribesModels):
                     f"({mv.settings.queue_size}); send at most that many per request"
                 )
             for request in requests:
-                queued.append(self._enqueue(mv, request, timeout_s))
-            self._inflight.enter(*call.labels)
+                queued.append(call.queue(mv, request))
+            self._inflight.arrive(*call.labels)
             try:
                 futures = [job.future for job, _ in queued]
                 await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
             finally:
-                self._inflight.leave(*call.labels)
-                note_answered()
+                self._inflight.depart(*call.labels)
+                if call.trace is not None:
+                    call.trace.note_answered()
             for i, future in enumerate(futures):
                 error = future.exception() if future.done() else None
                 if isinstance(error, ServingError) and 400 <= error.status < 500:
@@ -316,66 +426,6 @@ class DataPlane(DescribesModels):
         # Clients choose these names: a typo must not mint a new time series.
         return (name if name in self.registry.names() else UNKNOWN_LABEL), UNKNOWN_LABEL
 
-    def _serving(self, name: str, version: str | None, streaming: bool = False) -> ModelVersion:
-        note_model(name, version)
-        trace_model(name, version)
-        if self.refusing:
-            raise ModelNotReady("the server is shutting down; retry on another replica")
-        mv = self.registry.get(name, version)
-        note_model(name, mv.version)
-        trace_model(name, mv.version)
-        if mv.state is ModelState.FAILED:
-            raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
-        residency = mv.residency
-        residency.last_used = time.monotonic()
-        if residency.parked:
-            # Not loaded (lazy, or unloaded to make room): the request waits in its queue for
-            # the load its first request starts, bounded by its deadline.
-            self.registry.memory.wanted(mv)
-        elif mv.pool.size == 0:
-            raise ModelNotReady(
-                f"model {name!r} version {mv.version} is scaled to 0 workers; scale it up "
-                "(PUT /models/NAME?min_worker=1) or use another version"
-            )
-        elif not mv.serving:
-            raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
-        if mv.streams and not streaming:
-            raise StreamRefused(name)
-        return mv
-
-    def _enqueue(
-        self,
-        mv: ModelVersion,
-        request: Request,
-        timeout_s: float | None,
-        stream: bool = False,
-    ) -> tuple[Job, asyncio.TimerHandle]:
-        """Queue the request with its deadline (with a PartStream when the client takes its
-        answer in parts), and the timer that answers 504 at it. A request given as the function
-        that decodes it is decoded by the worker that takes it, and every request is checked
-        there (`decoding.Admitted`)."""
-        budget = mv.settings.response_timeout_s
-        if timeout_s is not None:
-            if timeout_s <= 0:
-                raise DeadlineExceeded("the request's deadline passed before it was queued")
-            budget = min(budget, timeout_s)  # a client may shorten the deadline, never lengthen
-        loop = asyncio.get_running_loop()
-        admitted = Admitted(mv, request)  # decoded, checked and answered by its worker
-        finish = None if stream else admitted.served  # a stream's PartStream makes each part's
-        deadline = time.monotonic() + budget
-        job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, finish)
-        if stream:
-            job.stream = PartStream(
-                job.future,
-                self.settings.stream_max_unread_parts,
-                admitted.served,
-                model=(mv.name, mv.version),
-                streaming=mv.streams,
-            )
-        mv.batcher.put(job)
-        note_queued(job, mv.name, mv.version)
-        return job, loop.call_later(budget, expire, job, mv.batcher, budget)
-
     # -- shutdown ----------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait for the accepted ones; True if all were answered."""
@@ -397,6 +447,16 @@ def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
         raise
     except Exception as exc:
         raise InvalidInput(f"the request could not be decoded ({type(exc).__name__})") from None
+
+
+def pin_request(name: str) -> None:
+    """Name the request running in this context `name` for good in its access line and span (a
+    workflow's: its steps' models do not replace it)."""
+    record, trace = access_log.current(), tracing.current()
+    if record is not None:
+        record.note_model(name, None, pin=True)
+    if trace is not None:
+        trace.note_model(name, None, pin=True)
 
 
 def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:

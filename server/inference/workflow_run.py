@@ -23,10 +23,8 @@ import orjson
 from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.codec import torchserve
 from scriptserve.server.errors import DeadlineExceeded, ServingError, error_for_status
-from scriptserve.server.inference.dataplane import DataPlane
+from scriptserve.server.inference.dataplane import DataPlane, pin_request
 from scriptserve.server.models.workflows import Node, Workflow
-from scriptserve.server.observability.access_log import pin_model
-from scriptserve.server.observability.tracing import pin_model as trace_pin
 
 log = logging.getLogger("scriptserve.workflows")
 
@@ -38,8 +36,7 @@ async def run_workflow(
     timeout_s: float | None = None,
 ) -> tuple[bytes, str]:
     """The workflow's answer to `request`: its bytes and content type. Raises ServingError."""
-    pin_model(workflow.name, None)  # the access line and the span name the workflow
-    trace_pin(workflow.name, None)
+    pin_request(workflow.name)  # the access line and the span name the workflow
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else _longest(workflow))
     answers: dict[str, tuple[bytes, str]] = {}
     waiting = {name: len(node.parents) for name, node in workflow.nodes.items()}

@@ -15,7 +15,7 @@ sends a usable one (1 to 128 visible ASCII characters), else the protocol's own 
 one the server makes. Each inference request carries it to the workers, whose log lines name
 it, and the answer returns it (`X-Request-Id`; gRPC trailing metadata). The transports open an
 `AccessRecord` per request (`opened`); the data plane fills in what it decides (`note_model`,
-`request_namer`) through a context variable, so no route passes anything along.
+`request_namer`), found through a context variable, so no route passes anything along.
 
     record = AccessRecord("POST", "/predictions/mlp", "127.0.0.1:50312", "rest")
     with opened(record): ...  # the route runs; the data plane notes the model and version
@@ -77,6 +77,15 @@ class AccessRecord:
     pinned: bool = False
     """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
+    def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
+        """The data plane resolved the request's model (and version, once known); `pin` sets it
+        for good (a pipeline's or a workflow's request: its steps' models do not replace it)."""
+        if not self.pinned:
+            self.model = name
+            if version is not None:
+                self.version = version
+            self.pinned = pin
+
     def finish(self, status: int | str) -> None:
         self.status = status
         self.latency_ms = (time.perf_counter() - self.started) * 1e3
@@ -107,21 +116,9 @@ def enter(record: AccessRecord) -> None:
     _current.set(record)
 
 
-def pin_model(name: str, version: str | None) -> None:
-    """The request is a pipeline's: its line names the pipeline, whatever its steps note."""
-    note_model(name, version)
-    record = _current.get()
-    if record is not None:
-        record.pinned = True
-
-
-def note_model(name: str, version: str | None) -> None:
-    """The data plane resolved the request's model (and version, once known)."""
-    record = _current.get()
-    if record is not None and not record.pinned:
-        record.model = name
-        if version is not None:
-            record.version = version
+def current() -> AccessRecord | None:
+    """The record of the request running in this context, if the access log is on."""
+    return _current.get()
 
 
 def request_namer() -> Callable[[str], str]:

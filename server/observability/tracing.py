@@ -14,11 +14,11 @@ queued:
     encode      from the answer to the response (writing the wire format)
 
 The transports open a `RequestTrace` per request (`opened`) and the data plane fills in what it
-decides through a context variable (`note_model`, `note_queued`, `note_answered`), as the access
-log does. The worker pool leaves a `BatchRecord` on each job it runs. Every child span is made
-when the request ends, from the times recorded on the way: the event loop and the workers do
-no tracing work while the request runs, and nothing at all when tracing is off or the request
-is not sampled.
+decides (`note_model`, `note_queued`, `note_answered`) on the trace it finds through a context
+variable (`current`), as the access log does. The worker pool leaves a `BatchRecord` on each
+job it runs. Every child span is made when the request ends, from the times recorded on the
+way: the event loop and the workers do no tracing work while the request runs, and nothing at
+all when tracing is off or the request is not sampled.
 
 Settings (`tracing_*`) choose the endpoint, the protocol (`grpc` or `http/protobuf`), the
 sampling ratio and the service name; what they leave unset comes from OpenTelemetry's standard
@@ -96,9 +96,39 @@ class RequestTrace:
     def context(self) -> SpanContext:
         return self.span.get_span_context()
 
+    def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
+        """The data plane resolved the request's model (and version, once known); `pin` sets it
+        for good (a pipeline's request: its span names the pipeline, whatever its steps note;
+        the steps' jobs become its children all the same)."""
+        if self.pinned:
+            return
+        self.pinned = pin
+        if self.recording:
+            self.span.set_attribute("scriptserve.model.name", name)
+            if version is not None:
+                self.span.set_attribute("scriptserve.model.version", version)
+
+    def note_queued(self, job: Job, model: str, version: str) -> None:
+        """The data plane queued `job` for this request, for `model` `version`: its batch will
+        link to this span. A request that is not sampled leaves its jobs alone, so its batch
+        records nothing."""
+        if self.recording:
+            self.queued += 1
+            if len(self.jobs) < MAX_TRACED_JOBS:
+                self.jobs.append(job)
+                self.job_models.append((model, version))
+                job.span_context = self.context
+
     def note_answered(self, _future: object = None) -> None:
+        """The data plane has the answer; what follows is encoding it."""
         if not self.answered:
             self.answered = time.monotonic()
+
+    def answered_when(self, future: asyncio.Future[Any]) -> None:
+        """The answer is `future`'s outcome (a stream's end, or a request answered by
+        callback)."""
+        if self.recording:
+            future.add_done_callback(self.note_answered)
 
 
 _current: ContextVar[RequestTrace | None] = ContextVar("scriptserve_trace", default=None)
@@ -123,49 +153,9 @@ def enter(trace: RequestTrace) -> None:
     _current.set(trace)
 
 
-def pin_model(name: str, version: str | None) -> None:
-    """The request is a pipeline's: its span names the pipeline, whatever its steps note; the
-    steps' jobs become its children all the same."""
-    note_model(name, version)
-    trace = _current.get()
-    if trace is not None:
-        trace.pinned = True
-
-
-def note_model(name: str, version: str | None) -> None:
-    """The data plane resolved the request's model (and version, once known)."""
-    trace = _current.get()
-    if trace is not None and trace.recording and not trace.pinned:
-        trace.span.set_attribute("scriptserve.model.name", name)
-        if version is not None:
-            trace.span.set_attribute("scriptserve.model.version", version)
-
-
-def note_queued(job: Job, model: str, version: str) -> None:
-    """The data plane queued `job` for this request, for `model` `version`: its batch will link
-    to this span. A request that is not sampled leaves its jobs alone, so its batch records
-    nothing."""
-    trace = _current.get()
-    if trace is not None and trace.recording:
-        trace.queued += 1
-        if len(trace.jobs) < MAX_TRACED_JOBS:
-            trace.jobs.append(job)
-            trace.job_models.append((model, version))
-            job.span_context = trace.context
-
-
-def note_answered() -> None:
-    """The data plane has the answer; what follows is encoding it."""
-    trace = _current.get()
-    if trace is not None and not trace.answered:
-        trace.answered = time.monotonic()
-
-
-def note_answered_when(future: asyncio.Future[Any]) -> None:
-    """The answer is `future`'s outcome (a stream's end, or a request answered by callback)."""
-    trace = _current.get()
-    if trace is not None and trace.recording:
-        future.add_done_callback(trace.note_answered)
+def current() -> RequestTrace | None:
+    """The trace of the request running in this context, if tracing is on."""
+    return _current.get()
 
 
 class Tracing:
