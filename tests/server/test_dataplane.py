@@ -157,6 +157,25 @@ async def test_the_model_is_checked_before_the_request_is_decoded(plane: Plane) 
 
 
 @pytest.mark.anyio
+async def test_a_request_given_decoded_is_checked_by_the_worker_too(plane: Plane) -> None:
+    # A pipeline's step or a KServe v1 instance comes already decoded; it meets the same check on
+    # the worker's thread: submit queues it, and one that does not fit the model's signature is
+    # answered 400 through its future, alone, beside the requests batched with it.
+    dp = plane.dataplane
+    wrong = InferenceRequest(inputs={"x": np.zeros((1, 3), np.float32)}, outputs=["output0"])
+    requests = [_request(["output0"]), wrong, _request(["output0"])]
+    futures = [dp.submit("tiny", "1.0", r, protocol="test") for r in requests]
+    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+    bad = outcomes[1]
+    assert isinstance(bad, InvalidInput), bad
+    assert bad.message.startswith("model 'tiny': input 'x' has shape [1, 3]; the model expects")
+    for served in (outcomes[0], outcomes[2]):
+        assert isinstance(served, Served)
+        assert np.allclose(served.outputs[0][1], reference_output(X), atol=1e-5)
+    assert plane.requests(400) == 1 and plane.requests(200) == 2
+
+
+@pytest.mark.anyio
 async def test_a_request_sent_as_its_decoder_is_decoded_by_the_worker(plane: Plane) -> None:
     # The event loop only queues it; the worker's thread decodes it and checks its signature.
     # One that cannot be decoded is answered 400 alone, beside the requests batched with it.
