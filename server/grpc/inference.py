@@ -70,11 +70,13 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ServerMetadata(self, request: Any, context: Any) -> oip.ServerMetadataResponse:
-        return oip.ServerMetadataResponse(**self.dataplane.server_metadata())
+        return oip.ServerMetadataResponse(**self.dataplane.descriptions.server_metadata())
 
     @translated
     async def ModelMetadata(self, request: Any, context: Any) -> oip.ModelMetadataResponse:
-        meta = self.dataplane.model_metadata(request.name, converters.version_of(request.version))
+        meta = self.dataplane.descriptions.model_metadata(
+            request.name, converters.version_of(request.version)
+        )
         # Triton's ModelMetadataResponse has no parameters field: int8 or not goes in metadata.
         context.set_trailing_metadata(converters.quantization_metadata(meta))
         return converters.fill_metadata(meta, oip.ModelMetadataResponse())
@@ -92,13 +94,15 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelConfig(self, request: Any, context: Any) -> oip.ModelConfigResponse:
-        config = self.dataplane.model_config(request.name, converters.version_of(request.version))
+        config = self.dataplane.descriptions.model_config(
+            request.name, converters.version_of(request.version)
+        )
         return converters.from_json({"config": config}, oip.ModelConfigResponse())
 
     @translated
     async def ModelStatistics(self, request: Any, context: Any) -> oip.ModelStatisticsResponse:
         name = request.name or None  # no name: every model (a version alone means nothing)
-        stats = self.dataplane.statistics(
+        stats = self.dataplane.descriptions.statistics(
             name, converters.version_of(request.version) if name else None
         )
         return converters.from_json({"model_stats": stats}, oip.ModelStatisticsResponse())

@@ -37,7 +37,7 @@ from scriptserve.server.errors import (
 )
 from scriptserve.server.inference.decoding import Admitted, Request, Served, decode_checked
 from scriptserve.server.inference.pipeline_run import run_pipeline
-from scriptserve.server.models.description import DescribesModels
+from scriptserve.server.models.description import Descriptions
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
 from scriptserve.server.models.pipelines import Pipeline
 from scriptserve.server.models.registry import ModelRegistry, ModelState, ModelVersion
@@ -271,7 +271,7 @@ class Call:
         self.plane.metrics.observe_request(*labels, self.protocol, status, elapsed)
 
 
-class DataPlane(DescribesModels):
+class DataPlane:
     """Inference, health and descriptions of the served models (see the module docstring)."""
 
     def __init__(
@@ -280,6 +280,9 @@ class DataPlane(DescribesModels):
         self.registry = registry
         self.metrics = metrics
         self.settings = settings
+        self.descriptions = Descriptions(registry, metrics)
+        """What the server says about itself and its models (metadata, configuration,
+        statistics)."""
         self.starting = True
         """Until the models named at startup have all been loaded (or have failed)."""
         self.draining = False

@@ -110,11 +110,14 @@ def describe_version(mv: RegisteredVersion, is_default: bool, inflight: int) -> 
     }
 
 
-class DescribesModels:
-    """What the data plane says about the server and the models its registry holds."""
+class Descriptions:
+    """What the server says about itself and the models its registry holds, read-only: OIP's
+    metadata, Triton's configuration and statistics, KServe v1's model list. Both transports
+    reach it as `DataPlane.descriptions`."""
 
-    registry: ModelRegistry
-    metrics: ServerMetrics
+    def __init__(self, registry: ModelRegistry, metrics: ServerMetrics) -> None:
+        self.registry = registry
+        self.metrics = metrics
 
     def model_names(self) -> list[str]:
         """Every registered model and pipeline, ready or not (KServe v1's model list)."""

@@ -109,7 +109,7 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     # -- Open Inference Protocol v2 ----------------------------------------------------------
     @app.get("/v2", tags=["OIP v2"])
     async def server_metadata() -> dict[str, Any]:
-        return dataplane.server_metadata()
+        return dataplane.descriptions.server_metadata()
 
     @app.get("/v2/health/live", tags=["OIP v2"])
     async def live() -> dict[str, bool]:
@@ -124,7 +124,7 @@ def create_inference_app(dataplane: DataPlane, settings: ServerSettings) -> Fast
     add_model_extension_routes(app, dataplane)
 
     def metadata(model_name: str, version: str | None) -> dict[str, Any]:
-        meta = dataplane.model_metadata(model_name, version)
+        meta = dataplane.descriptions.model_metadata(model_name, version)
         body: dict[str, Any] = {
             "name": meta.name,
             "versions": meta.versions,

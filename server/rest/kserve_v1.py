@@ -46,7 +46,7 @@ def add_kserve_v1_routes(app: FastAPI, dataplane: DataPlane) -> None:
 
     @app.get("/v1/models", tags=[TAG])
     async def models() -> dict[str, list[str]]:
-        return {"models": dataplane.model_names()}
+        return {"models": dataplane.descriptions.model_names()}
 
     @app.get("/v1/models/{model_name}", tags=[TAG])
     async def model_ready(model_name: str) -> dict[str, Any]:

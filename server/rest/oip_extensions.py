@@ -31,23 +31,23 @@ def add_model_extension_routes(app: FastAPI, dataplane: DataPlane) -> None:
 
     @app.get("/v2/models/stats", tags=[TAG])
     async def all_statistics() -> dict[str, Any]:
-        return {"model_stats": dataplane.statistics()}
+        return {"model_stats": dataplane.descriptions.statistics()}
 
     @app.get("/v2/models/{model_name}/stats", tags=[TAG])
     async def model_statistics(model_name: str) -> dict[str, Any]:
-        return {"model_stats": dataplane.statistics(model_name)}
+        return {"model_stats": dataplane.descriptions.statistics(model_name)}
 
     @app.get("/v2/models/{model_name}/versions/{version}/stats", tags=[TAG])
     async def version_statistics(model_name: str, version: str) -> dict[str, Any]:
-        return {"model_stats": dataplane.statistics(model_name, version)}
+        return {"model_stats": dataplane.descriptions.statistics(model_name, version)}
 
     @app.get("/v2/models/{model_name}/config", tags=[TAG])
     async def model_config(model_name: str) -> dict[str, Any]:
-        return dataplane.model_config(model_name)
+        return dataplane.descriptions.model_config(model_name)
 
     @app.get("/v2/models/{model_name}/versions/{version}/config", tags=[TAG])
     async def version_config(model_name: str, version: str) -> dict[str, Any]:
-        return dataplane.model_config(model_name, version)
+        return dataplane.descriptions.model_config(model_name, version)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
