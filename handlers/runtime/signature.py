@@ -51,10 +51,14 @@ def numpy_dtype(datatype: str) -> np.dtype[Any]:
         raise SignatureError(f"unsupported datatype {datatype!r}; use one of {known}") from None
 
 
+BYTES_KINDS = ("S", "U", "O")
+"""The numpy dtype kinds that are OIP's BYTES: bytes, str and object arrays."""
+
+
 def datatype_of(dtype: np.dtype[Any] | type) -> str:
     """The OIP datatype name of a numpy dtype."""
     dt = np.dtype(dtype)
-    if dt.kind in ("S", "U", "O"):
+    if dt.kind in BYTES_KINDS:
         return "BYTES"
     try:
         return _DATATYPE_BY_NUMPY[dt]

@@ -20,6 +20,7 @@ import numpy as np
 
 from scriptserve.handlers.runtime.json_numbers import JsonArray
 from scriptserve.handlers.runtime.signature import (
+    BYTES_KINDS,
     SignatureError,
     datatype_of,
     numpy_dtype,
@@ -151,7 +152,7 @@ def raw_output(array: np.ndarray) -> tuple[str, bytes]:
 
 def encode_raw(array: np.ndarray) -> bytes:
     """An output's raw bytes: BYTES elements (bytes, str or objects) length-prefixed."""
-    if array.dtype.kind in ("S", "U", "O"):
+    if array.dtype.kind in BYTES_KINDS:
         parts = []
         for item in array.ravel():
             data = item if isinstance(item, bytes) else str(item).encode()

@@ -241,10 +241,7 @@ class Call:
     def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
         """The request's model (and version, once known) in its access line and span; `pin`
         sets it for good (a pipeline's request: its steps' models do not replace it)."""
-        if self.record is not None:
-            self.record.note_model(name, version, pin)
-        if self.trace is not None:
-            self.trace.note_model(name, version, pin)
+        _note_model(self.record, self.trace, name, version, pin)
 
     def end(self, future: asyncio.Future[Served]) -> None:
         """The request's future is done: its answer, its error, or cancelled (the client went
@@ -455,11 +452,20 @@ def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
 def pin_request(name: str) -> None:
     """Name the request running in this context `name` for good in its access line and span (a
     workflow's: its steps' models do not replace it)."""
-    record, trace = access_log.current(), tracing.current()
+    _note_model(access_log.current(), tracing.current(), name, None, pin=True)
+
+
+def _note_model(
+    record: access_log.AccessRecord | None,
+    trace: tracing.RequestTrace | None,
+    name: str,
+    version: str | None,
+    pin: bool,
+) -> None:
     if record is not None:
-        record.note_model(name, None, pin=True)
+        record.note_model(name, version, pin)
     if trace is not None:
-        trace.note_model(name, None, pin=True)
+        trace.note_model(name, version, pin)
 
 
 def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
