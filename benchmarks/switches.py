@@ -1,7 +1,9 @@
 """What the access log and tracing cost scenario A: the same tree with both off, with the access
 log on (JSON lines to a file, and plain lines, the default), with tracing on at a sampling
 ratio of 0.01 and of 0 (and, with `--all`, every trace sampled; given `--before`, another tree
-with both off), each loaded in turn by wrk round after round, as benchmarks/ab.py does.
+with both off), each loaded in turn by wrk round after round, as benchmarks/ab.py does. Two
+servers have both off: each round's ratios are taken to the mean of the two, and the ratio of
+one to the other (the control) is what the machine's noise alone makes of a ratio in that run.
 
     python -m benchmarks.switches [--before /tmp/before-venv/bin/python] [--rounds 6] [--all]
 
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             configurations = {
                 "off": {},
+                "off-again": {},  # the control: both off again, a server of its own
                 "access-log": access,
                 # The server's default format: plain lines.
                 "access-log-plain": {**access, "SCRIPTSERVE_ACCESS_LOG_FORMAT": "plain"},
@@ -118,15 +121,21 @@ def main(argv: list[str] | None = None) -> int:
         sink.send_signal(signal.SIGTERM)
         received = sink.communicate(timeout=30)[0].strip()
     medians = {k: statistics.median(v) for k, v in runs.items()}
+    both_off = [(a + b) / 2 for a, b in zip(runs["off"], runs["off-again"], strict=True)]
     ratios = {
-        label: [a / b for a, b in zip(values, runs["off"], strict=True)]
+        label: [a / b for a, b in zip(values, both_off, strict=True)]
         for label, values in runs.items()
-        if label != "off"
+        if label not in ("off", "off-again")
     }
+    control = [a / b for a, b in zip(runs["off-again"], runs["off"], strict=True)]
     print("medians: " + ", ".join(f"{k} {v:.0f} req/s" for k, v in medians.items()))
+    print(
+        f"control, off-again / off per round: {' '.join(f'{r:.3f}' for r in control)} "
+        f"(median {statistics.median(control):.3f})"
+    )
     for label, values in ratios.items():
         print(
-            f"{label} / off per round: {' '.join(f'{r:.3f}' for r in values)} "
+            f"{label} / both off per round: {' '.join(f'{r:.3f}' for r in values)} "
             f"(median {statistics.median(values):.3f})"
         )
     print(f"OTLP receiver: {received}")
@@ -147,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": host,
         "runs": runs,
         "medians": medians,
-        "ratios_to_off": ratios,
+        "ratios_to_both_off": ratios,
+        "control_off_again_to_off": control,
         "otlp_receiver": received,
     }
     out.write_text(report.compact_json(document))

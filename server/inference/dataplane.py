@@ -184,10 +184,13 @@ class Call:
         """The model version that serves the request, noted in its access line and span; 404
         when unknown, 503 when the server refuses new requests or the version cannot serve."""
         plane, name = self.plane, self.name
-        self.note_model(name, version)
-        if plane.refusing:
-            raise ModelNotReady("the server is shutting down; retry on another replica")
-        mv = plane.registry.get(name, version)
+        try:
+            if plane.refusing:
+                raise ModelNotReady("the server is shutting down; retry on another replica")
+            mv = plane.registry.get(name, version)
+        except ServingError:
+            self.note_model(name, version)  # the line names what was asked for
+            raise
         self.note_model(name, mv.version)
         if mv.state is ModelState.FAILED:
             raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
@@ -221,7 +224,7 @@ class Call:
                 raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, self.timeout_s)  # a client may shorten it, never lengthen
         loop = asyncio.get_running_loop()
-        admitted = Admitted(mv, request)  # decoded, checked and answered by its worker
+        admitted = Admitted(mv, request, self.record)  # decoded, checked, answered by its worker
         finish = None if stream else admitted.served  # a stream's PartStream makes each part's
         deadline = time.monotonic() + budget
         job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, finish)

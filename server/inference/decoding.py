@@ -6,7 +6,7 @@ its job (`Admitted`): the event loop is the one thread every request passes thro
 decoding a JSON tensor there was a third of its GIL-held samples on OIP's JSON route. What cannot
 be decoded, or does not fit the model's signature, is the client's error (400), answered alone:
 the rest of its batch runs. What the decoding needs from the loop's context (the access log's
-request id) is read when the job is queued.
+record, which names the request) is given when the job is queued.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.handlers.runtime.signature import Signature, SignatureError
 from scriptserve.server.errors import InvalidInput, ServingError
 from scriptserve.server.models.registry import ModelVersion
-from scriptserve.server.observability.access_log import request_namer
+from scriptserve.server.observability.access_log import AccessRecord
 
 log = logging.getLogger("scriptserve.dataplane")
 
@@ -49,19 +49,22 @@ class Admitted:
     thread, it returns the request decoded, named and checked, or raises the ServingError that
     answers it (InvalidInput, 400); `served` makes its answer."""
 
-    __slots__ = ("_given", "_mv", "_name", "outputs")
+    __slots__ = ("_given", "_mv", "_record", "outputs")
 
-    def __init__(self, mv: ModelVersion, request: Request) -> None:
+    def __init__(self, mv: ModelVersion, request: Request, record: AccessRecord | None) -> None:
+        """`record`: the request's access line, while the access log is on (it names the
+        request: the client's header id, when it sent one, is the request's id)."""
         self._mv = mv
         self._given = request
-        self._name = request_namer()  # the access log's record, read on the event loop
+        self._record = record
         self.outputs: list[str] | None = None
         """The outputs the decoded request asks for (what `served` selects)."""
 
     def __call__(self) -> InferenceRequest:
         mv, given = self._mv, self._given
         request = given if isinstance(given, InferenceRequest) else decode_checked(mv, given)
-        request.request_id = self._name(request.request_id)
+        if self._record is not None:
+            request.request_id = self._record.name(request.request_id)
         if mv.request_signature is not None and request.outputs is not None:
             check_signature(mv.name, mv.request_signature, request.inputs)
         self.outputs = request.outputs

@@ -5,17 +5,19 @@ Each line names what was asked (method and path, or `gRPC` and the RPC), the mod
 version that answered, the status, the bytes of the answer, the latency, the request id and the
 client's address, in plain text or as one JSON object per line (`access_log_format`). It goes to
 `access_log`: `off` (the default), `stderr`, `stdout` or a file (appended to). Headers, keys and
-bodies are never written. Lines are gathered in memory and written together, whole lines in one
-`write` each time, every 100 ms or at 512 lines (nginx's `access_log ... buffer= flush=`): a line
-costs the event loop its formatting, not a system call; a process killed outright loses at
-most the last 100 ms of lines.
+bodies are never written. A finished request's record is queued; a thread of the log's formats
+the queued records and writes their lines together, whole lines in one `write` each time, every
+100 ms or at 512 lines (nginx's `access_log ... buffer= flush=`): a line costs the event loop an
+append, not its formatting or a system call; a process killed outright loses at most the last
+100 ms of lines.
 
 The request id is the client's `X-Request-Id` header (gRPC metadata `x-request-id`) when it
 sends a usable one (1 to 128 visible ASCII characters), else the protocol's own (OIP `id`), else
 one the server makes. Each inference request carries it to the workers, whose log lines name
 it, and the answer returns it (`X-Request-Id`; gRPC trailing metadata). The transports open an
 `AccessRecord` per request (`opened`); the data plane fills in what it decides (`note_model`,
-`request_namer`), found through a context variable, so no route passes anything along.
+and `name` from the worker), found through a context variable, so no route passes anything
+along.
 
     record = AccessRecord("POST", "/predictions/mlp", "127.0.0.1:50312", "rest")
     with opened(record): ...  # the route runs; the data plane notes the model and version
@@ -32,9 +34,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextvars import ContextVar, Token
 from json.encoder import encode_basestring_ascii as _json_string
 from typing import Literal, TextIO
 
@@ -58,24 +59,44 @@ def usable_request_id(value: str | None) -> str | None:
     return value
 
 
-@dataclass
 class AccessRecord:
     """One request as the access log writes it; the transport and the data plane fill it in."""
 
-    method: str
-    path: str
-    client: str
-    protocol: str
-    request_id: str | None = None
-    model: str = "-"
-    version: str = "-"
-    status: int | str = 0
-    """The HTTP status, or the gRPC code's name."""
-    bytes_sent: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    latency_ms: float = 0.0
-    pinned: bool = False
-    """Its model is set for good (a pipeline's): the steps' models do not replace it."""
+    __slots__ = (
+        "bytes_sent",
+        "client",
+        "ended",
+        "latency_ms",
+        "method",
+        "model",
+        "path",
+        "pinned",
+        "protocol",
+        "request_id",
+        "started",
+        "status",
+        "version",
+    )
+
+    def __init__(
+        self, method: str, path: str, client: str, protocol: str, request_id: str | None = None
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.client = client
+        self.protocol = protocol
+        self.request_id = request_id
+        self.model = "-"
+        self.version = "-"
+        self.status: int | str = 0
+        """The HTTP status, or the gRPC code's name."""
+        self.bytes_sent = 0
+        self.started = time.perf_counter()
+        self.latency_ms = 0.0
+        self.ended = 0.0
+        """time.time() when it finished: the time its line shows."""
+        self.pinned = False
+        """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
     def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
         """The data plane resolved the request's model (and version, once known); `pin` sets it
@@ -86,9 +107,18 @@ class AccessRecord:
                 self.version = version
             self.pinned = pin
 
+    def name(self, own: str) -> str:
+        """The request's id, given its protocol's own (OIP `id`, or one made for it) from any
+        thread (a request is decoded and named by its worker): the client's header id when it
+        sent one, else `own`, which then names the request in the access line."""
+        if self.request_id is None:
+            self.request_id = own
+        return self.request_id
+
     def finish(self, status: int | str) -> None:
         self.status = status
         self.latency_ms = (time.perf_counter() - self.started) * 1e3
+        self.ended = time.time()
         if self.request_id is None:
             self.request_id = new_request_id()
 
@@ -110,36 +140,20 @@ def opened(record: AccessRecord | None) -> Iterator[AccessRecord | None]:
         _current.reset(token)
 
 
-def enter(record: AccessRecord) -> None:
-    """Make `record` the one the data plane fills in, for the rest of this context: a context
-    made for the one request."""
-    _current.set(record)
+def enter(record: AccessRecord | None) -> Token[AccessRecord | None] | None:
+    """Make `record` the one the data plane fills in, until `leave` is given what this returns
+    (a callback's work: what it starts, a task or a callback, keeps it)."""
+    return None if record is None else _current.set(record)
+
+
+def leave(token: Token[AccessRecord | None] | None) -> None:
+    if token is not None:
+        _current.reset(token)
 
 
 def current() -> AccessRecord | None:
     """The record of the request running in this context, if the access log is on."""
     return _current.get()
-
-
-def request_namer() -> Callable[[str], str]:
-    """What names this context's request, applied later and from any thread (a request is
-    decoded and named by its worker, `decoding.Admitted`, and its own id is known only then):
-    the client's header id when it sent one, else `own` (the protocol's id or a new one), which
-    then names the request in the access log."""
-    record = _current.get()
-    if record is None:
-        return _own_id
-
-    def name(own: str) -> str:
-        if record.request_id is None:
-            record.request_id = own
-        return record.request_id
-
-    return name
-
-
-def _own_id(own: str) -> str:
-    return own
 
 
 def current_request_id() -> str | None:
@@ -188,18 +202,22 @@ def _json(record: AccessRecord, when: str) -> str:
 
 FLUSH_INTERVAL_S = 0.1
 FLUSH_LINES = 512
-"""Lines that wait at most (about 64 KiB of JSON lines) before a write is made at once."""
+"""Lines that wait at most (about 64 KiB of JSON lines) before the writer is woken at once."""
 
 
 class AccessLog:
-    """Where the lines go and how they read; `enabled` False writes nothing. Lines are written
-    by `flush`: from a thread of its own every `FLUSH_INTERVAL_S`, when `FLUSH_LINES` are
-    waiting, and at `close`. `write` takes no lock: a deque's appends and pops are atomic."""
+    """Where the lines go and how they read; `enabled` False writes nothing.
+
+    `write` only queues the finished record (no lock: a deque's appends and pops are atomic).
+    A thread of its own formats the queued records and writes their lines together, every
+    `FLUSH_INTERVAL_S`, as soon as `FLUSH_LINES` are waiting, and at `close`: the event loop
+    pays for a request's line one append, and the lines are formatted in a run, not one at a
+    time between requests."""
 
     def __init__(self, destination: str = "off", fmt: AccessFormat = "plain") -> None:
         self.enabled = destination != "off"
         self._format = _json if fmt == "json" else _plain
-        self._pending: deque[bytes] = deque()
+        self._pending: deque[AccessRecord] = deque()
         self._write_lock = threading.Lock()
         """Keeps flushes, and so the lines, in order."""
         self._fd: int | None = None
@@ -209,7 +227,9 @@ class AccessLog:
         self._when = ""
         self._second = -1
         self._second_text = ""
-        self._stop = threading.Event()
+        self._stop = False
+        self._due = threading.Event()
+        """Set to have the writer flush now: `FLUSH_LINES` are waiting, or the log closes."""
         self._flusher: threading.Thread | None = None
         if not self.enabled:
             return
@@ -223,20 +243,21 @@ class AccessLog:
             self._fd = os.open(destination, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._owns_fd = True
         self._flusher = threading.Thread(
-            target=self._flush_every_interval, name="scriptserve-access-log", daemon=True
+            target=self._flush_when_due, name="scriptserve-access-log", daemon=True
         )
         self._flusher.start()
 
     def write(self, record: AccessRecord) -> None:
-        line = self._format(record, self._now()) + "\n"
+        """Queue the line of `record`, finished (`AccessRecord.finish`): from here on it is the
+        log's, and nobody changes it."""
         pending = self._pending
-        pending.append(line.encode("utf-8", "backslashreplace"))
-        if len(pending) >= FLUSH_LINES:
-            self.flush()
+        pending.append(record)
+        if len(pending) >= FLUSH_LINES and not self._due.is_set():
+            self._due.set()
 
-    def _now(self) -> str:
-        """UTC now, ISO 8601 to the millisecond (made once a millisecond)."""
-        millisecond = int(time.time() * 1000)
+    def _time(self, wall: float) -> str:
+        """`wall` (time.time()) in UTC, ISO 8601 to the millisecond (made once a millisecond)."""
+        millisecond = int(wall * 1000)
         if millisecond != self._millisecond:
             self._millisecond = millisecond
             second = millisecond // 1000
@@ -247,13 +268,19 @@ class AccessLog:
         return self._when
 
     def flush(self) -> None:
-        """Write the lines gathered so far, whole, in the order they were written."""
+        """Write the lines queued so far, whole, in the order they were queued."""
         with self._write_lock:
             pending = self._pending
             count = len(pending)
             if not count:
                 return
-            data = b"".join([pending.popleft() for _ in range(count)])
+            fmt, when = self._format, self._time
+            lines = []
+            for _ in range(count):
+                record = pending.popleft()
+                lines.append(fmt(record, when(record.ended)))
+            lines.append("")
+            data = "\n".join(lines).encode("utf-8", "backslashreplace")
             try:
                 self._write(data)
             except OSError as exc:  # a full disk must not stop the server: say so, go on
@@ -269,14 +296,17 @@ class AccessLog:
         while view:
             view = view[os.write(self._fd, view) :]
 
-    def _flush_every_interval(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_S):
+    def _flush_when_due(self) -> None:
+        while not self._stop:
+            self._due.wait(FLUSH_INTERVAL_S)
+            self._due.clear()
             self.flush()
 
     def close(self) -> None:
         if self._flusher is None:
             return
-        self._stop.set()
+        self._stop = True
+        self._due.set()
         self._flusher.join()
         self._flusher = None
         self.flush()

@@ -36,7 +36,7 @@ import os
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -147,10 +147,15 @@ def opened(trace: RequestTrace | None) -> Iterator[RequestTrace | None]:
         _current.reset(token)
 
 
-def enter(trace: RequestTrace) -> None:
-    """Make `trace` the one the data plane fills in, for the rest of this context: a context
-    made for the one request."""
-    _current.set(trace)
+def enter(trace: RequestTrace | None) -> Token[RequestTrace | None] | None:
+    """Make `trace` the one the data plane fills in, until `leave` is given what this returns
+    (a callback's work: what it starts, a task or a callback, keeps it)."""
+    return None if trace is None else _current.set(trace)
+
+
+def leave(token: Token[RequestTrace | None] | None) -> None:
+    if token is not None:
+        _current.reset(token)
 
 
 def current() -> RequestTrace | None:

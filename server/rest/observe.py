@@ -134,13 +134,16 @@ class Observation:
                 self.trace = tracer.start(method, trace_headers, _attributes(made, method))
         self.noted = self.record is not None or self.trace is not None
 
-    def enter(self) -> None:
-        """Make this request the one the data plane notes in, for the rest of the current
-        context (the protocol runs each noted request in a context of its own)."""
-        if self.record is not None:
-            access_log.enter(self.record)
-        if self.trace is not None:
-            tracing.enter(self.trace)
+    def run(self, work: Callable[[], None]) -> None:
+        """Run `work` with this request the one the data plane notes in: set in the caller's
+        context and reset after, so that what `work` starts (a task, a callback) keeps it and
+        a callback of the loop's pays no context of its own."""
+        tokens = access_log.enter(self.record), tracing.enter(self.trace)
+        try:
+            work()
+        finally:
+            access_log.leave(tokens[0])
+            tracing.leave(tokens[1])
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[None]:
