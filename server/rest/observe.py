@@ -36,6 +36,8 @@ _REQUEST_ID = b"x-request-id"
 _TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
 _TRACEPARENT = TRACEPARENT.encode()
 _FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto")
+_OBSERVED = frozenset((_REQUEST_ID, *_TRACE_HEADERS, *_FORWARDED))
+"""The header names an observation reads: one set lookup for each of the others."""
 Headers = Sequence[tuple[bytes, bytes]]
 CLIENT_GONE = 499
 """The status an access line records for a request whose client went away before its answer."""
@@ -110,19 +112,20 @@ class Observation:
         forwarded = False
         trace_headers: dict[str, str] = {}
         for name, value in headers:
-            if name == _REQUEST_ID:
-                given = value
-            elif name in _TRACE_HEADERS:
-                trace_headers[name.decode("latin-1")] = value.decode("latin-1")
-            elif name in _FORWARDED:
-                forwarded = True
+            if name in _OBSERVED:
+                if name == _REQUEST_ID:
+                    given = value
+                elif name in _FORWARDED:
+                    forwarded = True
+                else:
+                    trace_headers[name.decode("latin-1")] = value.decode("latin-1")
         made: Scope | None = None
         if observers.access.enabled:
             if forwarded:
                 made = scope()
                 peer = made.get("client")
             client = f"{peer[0]}:{peer[1]}" if peer else "-"
-            request_id = usable_request_id(given.decode("latin-1")) if given is not None else None
+            request_id = None if given is None else usable_request_id(given.decode("latin-1"))
             self.record = AccessRecord(method, path, client, "rest", request_id)
         tracer = observers.tracing
         if tracer.enabled:
