@@ -1,9 +1,10 @@
 """What the access log and tracing cost scenario A: the same tree with both off, with the access
 log on (JSON lines to a file, and plain lines, the default), with tracing on at a sampling
 ratio of 0.01 and of 0 (and, with `--all`, every trace sampled; given `--before`, another tree
-with both off), each loaded in turn by wrk round after round, as benchmarks/ab.py does. Two
-servers have both off: each round's ratios are taken to the mean of the two, and the ratio of
-one to the other (the control) is what the machine's noise alone makes of a ratio in that run.
+with both off and with the plain access log on), each loaded in turn by wrk round after round,
+as benchmarks/ab.py does. Two servers have both off: each round's ratios are taken to the mean
+of the two, and the ratio of one to the other (the control) is what the machine's noise alone
+makes of a ratio in that run.
 
     python -m benchmarks.switches [--before /tmp/before-venv/bin/python] [--rounds 6] [--all]
 
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--before", help="python of another tree, served with both off")
+    p.add_argument(
+        "--before", help="python of another tree, served with both off and with the access log"
+    )
     p.add_argument("--all", action="store_true", help="also tracing with every trace sampled")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
@@ -107,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.before:
                 servers["before"] = server("before", args.before, store, {})
+                plain = configurations["access-log-plain"]
+                servers["before-access-log-plain"] = server(
+                    "before-access-log-plain", args.before, store, plain
+                )
             for s in servers.values():
                 s.__enter__()
             pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
@@ -128,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         if label not in ("off", "off-again")
     }
     control = [a / b for a, b in zip(runs["off-again"], runs["off"], strict=True)]
+    against_before: dict[str, list[float]] = {}
+    if "before" in runs:
+        against_before = {
+            label: [a / b for a, b in zip(runs[label], runs[f"before{suffix}"], strict=True)]
+            for label, suffix in (("off", ""), ("access-log-plain", "-access-log-plain"))
+        }
     print("medians: " + ", ".join(f"{k} {v:.0f} req/s" for k, v in medians.items()))
     print(
         f"control, off-again / off per round: {' '.join(f'{r:.3f}' for r in control)} "
@@ -136,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, values in ratios.items():
         print(
             f"{label} / both off per round: {' '.join(f'{r:.3f}' for r in values)} "
+            f"(median {statistics.median(values):.3f})"
+        )
+    for label, values in against_before.items():
+        print(
+            f"{label} / the other tree's per round: {' '.join(f'{r:.3f}' for r in values)} "
             f"(median {statistics.median(values):.3f})"
         )
     print(f"OTLP receiver: {received}")
@@ -158,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "medians": medians,
         "ratios_to_both_off": ratios,
         "control_off_again_to_off": control,
+        "ratios_to_before": against_before,
         "otlp_receiver": received,
     }
     out.write_text(report.compact_json(document))
