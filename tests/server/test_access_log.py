@@ -110,6 +110,8 @@ def test_rest_requests_are_logged_with_their_id(logged: tuple[ServerProcess, Pat
     )
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "client-id-1"
+    # The client's id names the request on the worker too (its record, handed to the worker).
+    server.wait(lambda _: "handler saw request ids client-id-1" in server.output(), 10)
     line = line_for(access, "client-id-1")
     assert line["method"] == "POST" and line["path"] == "/predictions/tiny"
     assert (line["model"], line["version"], line["status"]) == ("tiny", "1.0", 200)
