@@ -16,9 +16,12 @@ queued:
 The transports open a `RequestTrace` per request (`opened`) and the data plane fills in what it
 decides (`note_model`, `note_queued`, `note_answered`) on the trace it finds through a context
 variable (`current`), as the access log does. The worker pool leaves a `BatchRecord` on each
-job it runs. Every child span is made when the request ends, from the times recorded on the
-way: the event loop and the workers do no tracing work while the request runs, and nothing at
-all when tracing is off or the request is not sampled.
+job it runs. When a sampled request ends, its span and children are made from the times
+recorded on the way, as plain data (`span_export.SpanRecord`), and queued for the exporter
+process (`span_export.py`), which makes the OpenTelemetry spans and sends them: the event loop
+and the workers do no tracing work while the request runs, the loop only builds that record at
+its end, and nothing at all is done when tracing is off or the request is not sampled. Sampling
+and the server span's ids are decided here, so the answer carries its `traceparent` at once.
 
 Settings (`tracing_*`) choose the endpoint, the protocol (`grpc` or `http/protobuf`), the
 sampling ratio and the service name; what they leave unset comes from OpenTelemetry's standard
@@ -31,19 +34,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, SpanContext, SpanKind, Tracer
+from scriptserve.server.observability.span_export import Child, SpanExport
 
+if TYPE_CHECKING:
     from scriptserve.server.workers.batching import BatchRecord, Job
 
 log = logging.getLogger("scriptserve.tracing")
@@ -64,37 +66,67 @@ class TracingUnavailable(RuntimeError):
     """Tracing was asked for but the OpenTelemetry SDK is not installed."""
 
 
-def _epoch_ns(monotonic_s: float, offset_s: float) -> int:
-    return int((monotonic_s + offset_s) * 1e9)
-
-
-@dataclass(eq=False)
 class RequestTrace:
-    """One request's server span and the times its children are made from."""
+    """One request's server span, as plain data, and the times its children are made from."""
 
-    span: Span
-    started: float
-    """time.monotonic() when the request arrived."""
-    jobs: list[Job] = field(default_factory=list)
-    """What the data plane queued for this request, in order (several for KServe v1), up to
-    MAX_TRACED_JOBS."""
-    job_models: list[tuple[str, str]] = field(default_factory=list)
-    """The model and version each of `jobs` was queued for (a pipeline's steps differ)."""
-    queued: int = 0
-    """How many model requests it queued."""
-    answered: float = 0.0
-    """time.monotonic() when the data plane answered; 0 when it did not (errors, streams)."""
-    recording: bool = field(init=False)
-    """Whether the span is sampled: only then are its children made."""
-    pinned: bool = False
-    """Its model is set for good (a pipeline's): the steps' models do not replace it."""
+    __slots__ = (
+        "answered",
+        "attributes",
+        "flags",
+        "job_models",
+        "jobs",
+        "name",
+        "parent_id",
+        "pinned",
+        "queued",
+        "recording",
+        "span_id",
+        "started",
+        "trace_id",
+        "trace_state",
+    )
 
-    def __post_init__(self) -> None:
-        self.recording = self.span.is_recording()
+    def __init__(
+        self,
+        trace_id: int,
+        span_id: int,
+        flags: int,
+        name: str = "",
+        attributes: dict[str, Any] | None = None,
+        started: float = 0.0,
+        parent_id: int = 0,
+        trace_state: str = "",
+    ) -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.flags = flags
+        """W3C trace flags: 01 when it is sampled."""
+        self.recording = bool(flags & 1)
+        """Whether the span is sampled: only then are its children made and it is exported."""
+        self.name = name
+        self.attributes = {} if attributes is None else attributes
+        self.started = started
+        """time.monotonic() when the request arrived."""
+        self.parent_id = parent_id
+        """The client's span id, 0 for a root."""
+        self.trace_state = trace_state
+        """The client's W3C tracestate, passed on."""
+        self.jobs: list[Job] = []
+        """What the data plane queued for this request, in order (several for KServe v1), up
+        to MAX_TRACED_JOBS."""
+        self.job_models: list[tuple[str, str]] = []
+        """The model and version each of `jobs` was queued for (a pipeline's steps differ)."""
+        self.queued = 0
+        """How many model requests it queued."""
+        self.answered = 0.0
+        """time.monotonic() when the data plane answered; 0 when it did not (errors, streams)."""
+        self.pinned = False
+        """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
     @property
-    def context(self) -> SpanContext:
-        return self.span.get_span_context()
+    def context(self) -> tuple[int, int, int]:
+        """(trace id, span id, flags): what a batch's span links to."""
+        return self.trace_id, self.span_id, self.flags
 
     def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
         """The data plane resolved the request's model (and version, once known); `pin` sets it
@@ -104,9 +136,9 @@ class RequestTrace:
             return
         self.pinned = pin
         if self.recording:
-            self.span.set_attribute("scriptserve.model.name", name)
+            self.attributes["scriptserve.model.name"] = name
             if version is not None:
-                self.span.set_attribute("scriptserve.model.version", version)
+                self.attributes["scriptserve.model.version"] = version
 
     def note_queued(self, job: Job, model: str, version: str) -> None:
         """The data plane queued `job` for this request, for `model` `version`: its batch will
@@ -164,7 +196,8 @@ def current() -> RequestTrace | None:
 
 
 class Tracing:
-    """The tracer provider and its OTLP exporter; `enabled` False traces nothing."""
+    """Sampling, the server spans' ids and their export (`span_export.py`); `enabled` False
+    traces nothing."""
 
     def __init__(
         self,
@@ -177,19 +210,16 @@ class Tracing:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.enabled = enabled
-        self._provider: TracerProvider | None = None
-        self._tracer: Tracer | None = None
+        self._export: SpanExport | None = None
         self._offset_s = time.time() - time.monotonic()
         self._root_ratio: float | None = None
         if not enabled:
             return
         env = os.environ if environ is None else environ
         try:
-            from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-            from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+            from opentelemetry.trace import SpanKind
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
             )
@@ -200,37 +230,40 @@ class Tracing:
             ) from None
         from scriptserve import __version__
 
-        attributes: dict[str, str] = {"service.version": __version__}
+        resource: dict[str, str] = {"service.version": __version__}
         if service_name is not None:
-            attributes["service.name"] = service_name
+            resource["service.name"] = service_name
         elif "OTEL_SERVICE_NAME" not in env and "service.name=" not in env.get(
             "OTEL_RESOURCE_ATTRIBUTES", ""
         ):
-            attributes["service.name"] = "scriptserve"
-        sampler = None  # the SDK's: OTEL_TRACES_SAMPLER, else parent-based always-on
+            resource["service.name"] = "scriptserve"
         if sampling_ratio is not None:
-            # A request without a client's traceparent (a root) is sampled here, before the
-            # SDK is called (`unsampled_root`): a root left out costs two random numbers, not
-            # a span. The SDK keeps every root it is handed and follows a client's parent.
+            # A request without a client's traceparent (a root) is sampled here
+            # (`left_out_root`): a root left out costs two random numbers. A client's parent is
+            # followed.
             self._root_ratio = sampling_ratio
-            sampler = ParentBased(ALWAYS_ON)
-        self._provider = TracerProvider(sampler=sampler, resource=Resource.create(attributes))
-        self.protocol = protocol or _protocol_from(env)
-        self.exporter = _exporter(self.protocol, endpoint)
-        self._provider.add_span_processor(BatchSpanProcessor(self.exporter))
-        self._tracer = self._provider.get_tracer("scriptserve", __version__)
-        self._kind: type[SpanKind] = SpanKind
+            self._sampler: Any = ParentBased(ALWAYS_ON)
+        else:  # the SDK's, from OTEL_TRACES_SAMPLER (parent-based always-on when unset)
+            self._sampler = TracerProvider(shutdown_on_exit=False).sampler
+        self._server_kind = SpanKind.SERVER
         self._propagator = TraceContextTextMapPropagator()
-        self._left_out = (NonRecordingSpan, SpanContext, TraceFlags(TraceFlags.DEFAULT))
+        self.protocol = protocol or _protocol_from(env)
+        exporter = f"opentelemetry.exporter.otlp.proto.{self.protocol.split('/')[0]}"
+        if importlib.util.find_spec(exporter) is None:
+            raise TracingUnavailable(
+                f"tracing over OTLP {self.protocol} needs {exporter}: "
+                "pip install 'scriptserve[tracing]'"
+            )
+        self._export = SpanExport(self.protocol, endpoint, resource, environ)
         sampling = (
             f"roots sampled at {sampling_ratio:g}, a client's parent followed"
             if sampling_ratio is not None
-            else self._provider.sampler.get_description()
+            else self._sampler.get_description()
         )
         log.info(
             "tracing on: OTLP %s to %s, sampler %s",
             self.protocol,
-            getattr(self.exporter, "_endpoint", endpoint or "the default endpoint"),
+            endpoint or "the endpoint of the OTEL_* variables",
             sampling,
         )
 
@@ -242,31 +275,52 @@ class Tracing:
 
     # -- a request's server span -------------------------------------------------------------
     def start(
-        self, name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]
+        self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]
     ) -> RequestTrace:
         """The server span of a request that arrived now, the child of the client's
-        `traceparent` when `headers` carry a valid one."""
-        assert self._tracer is not None
-        parent = self._propagator.extract(headers) if TRACEPARENT in headers else None
+        `traceparent` when `headers` carry a valid one; it keeps `attributes`."""
         started = time.monotonic()
-        span = self._tracer.start_span(
-            name,
-            context=parent,
-            kind=self._kind.SERVER,
-            attributes=attributes,
-            start_time=_epoch_ns(started, self._offset_s),
-        )
-        return RequestTrace(span, started)
+        span_id = random.getrandbits(64) or 1
+        parent = None
+        if TRACEPARENT in headers:
+            from opentelemetry.trace import get_current_span
+
+            parent = self._propagator.extract(headers)
+            client = get_current_span(parent).get_span_context()
+            if client.is_valid:
+                result = self._sampler.should_sample(
+                    parent, client.trace_id, name, self._server_kind, attributes
+                )
+                if result.attributes:
+                    attributes.update(result.attributes)
+                state = result.trace_state
+                return RequestTrace(
+                    client.trace_id,
+                    span_id,
+                    1 if result.decision.is_sampled() else 0,
+                    name,
+                    attributes,
+                    started,
+                    client.span_id,
+                    state.to_header() if state else "",
+                )
+        trace_id = random.getrandbits(128) or 1
+        if self._root_ratio is None:
+            result = self._sampler.should_sample(
+                None, trace_id, name, self._server_kind, attributes
+            )
+            if not result.decision.is_sampled():
+                return RequestTrace(trace_id, span_id, 0)
+            if result.attributes:
+                attributes.update(result.attributes)
+        return RequestTrace(trace_id, span_id, 1, name, attributes, started)
 
     def unsampled_root(self) -> RequestTrace | None:
         """For a request without a `traceparent`: a trace that records nothing when the sampling
-        ratio leaves it out (made without the SDK), else None (open it with `start`). Always
-        None when the sampler is the SDK's own (OTEL_TRACES_SAMPLER)."""
+        ratio leaves it out, else None (open it with `start`). Always None when the sampler is
+        the SDK's own (OTEL_TRACES_SAMPLER)."""
         ids = self.left_out_root()
-        if ids is None:
-            return None
-        span, context, flags = self._left_out
-        return RequestTrace(span(context(*ids, False, flags)), 0.0)
+        return None if ids is None else RequestTrace(*ids, 0)
 
     def left_out_root(self) -> tuple[int, int] | None:
         """For a request without a `traceparent`: the trace and span ids of a trace the sampling
@@ -279,104 +333,101 @@ class Tracing:
 
     def traceparent(self, trace: RequestTrace) -> str:
         """The W3C traceparent of the request's span, returned to the client."""
-        context = trace.context
-        return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+        return f"00-{trace.trace_id:032x}-{trace.span_id:016x}-{trace.flags:02x}"
 
     def end(
         self, trace: RequestTrace, attributes: Mapping[str, Any], error: str | None = None
     ) -> None:
         """End the request's span with its last attributes (and an error description when it
-        failed on the server's side), after making its children from the recorded times."""
-        from opentelemetry.trace import Status, StatusCode
-
-        span = trace.span
+        failed on the server's side): a sampled one, with the children made from its recorded
+        times, is queued for the exporter."""
+        if not trace.recording or self._export is None:
+            return
         ended = time.monotonic()
-        if trace.recording:
-            self._children(trace, ended)
-            span.set_attributes(attributes)
-            if trace.queued > 1:
-                span.set_attribute("scriptserve.requests", trace.queued)
-            if error is not None:
-                span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=_epoch_ns(ended, self._offset_s))
+        ns = self._ns
+        own = trace.attributes
+        own.update(attributes)
+        if trace.queued > 1:
+            own["scriptserve.requests"] = trace.queued
+        self._export.put(
+            (
+                trace.trace_id,
+                trace.span_id,
+                trace.flags,
+                trace.trace_state,
+                trace.parent_id,
+                trace.name,
+                ns(trace.started),
+                ns(ended),
+                own,
+                error,
+                self._children(trace, ended),
+            )
+        )
+
+    def _ns(self, monotonic_s: float) -> int:
+        return int((monotonic_s + self._offset_s) * 1e9)
 
     # -- children, from the recorded times ---------------------------------------------------
-    def _children(self, trace: RequestTrace, ended: float) -> None:
-        from opentelemetry import trace as otel
-
-        parent = otel.set_span_in_context(trace.span)
+    def _children(self, trace: RequestTrace, ended: float) -> list[Child]:
+        ns = self._ns
         first = trace.jobs[0].enqueued if trace.jobs else trace.answered or ended
-        self._span("decode", parent, trace.started, first)
+        decoded = ns(max(first, trace.started))
+        children: list[Child] = [(-1, "decode", ns(trace.started), decoded, None, ())]
         for job, (model, version) in zip(trace.jobs, trace.job_models, strict=True):
-            attributes = {
+            about = {
                 "scriptserve.request.id": job.request.request_id,
                 "scriptserve.model.name": model,
                 "scriptserve.model.version": version,
             }
-            taken = job.dequeued or (job.batch.started if job.batch else 0.0)
+            batch = job.batch
+            taken = job.dequeued or (batch.started if batch else 0.0)
             if not taken:
                 continue  # never taken by a worker (cancelled, timed out in the queue)
-            self._span("queue", parent, job.enqueued, taken, attributes)
-            if job.batch is not None:
-                self._batch(job, job.batch, parent, attributes)
+            children.append(
+                (-1, "queue", ns(job.enqueued), ns(max(taken, job.enqueued)), about, ())
+            )
+            if batch is not None:
+                self._batch(children, job, batch, about)
         if trace.answered:
-            self._span("encode", parent, trace.answered, max(ended, trace.answered))
+            children.append(
+                (-1, "encode", ns(trace.answered), ns(max(ended, trace.answered)), None, ())
+            )
+        return children
 
-    def _batch(self, job: Job, batch: BatchRecord, parent: Any, about: Mapping[str, Any]) -> None:
-        from opentelemetry import trace as otel
-        from opentelemetry.trace import Link
-
+    def _batch(
+        self, children: list[Child], job: Job, batch: BatchRecord, about: dict[str, Any]
+    ) -> None:
+        ns = self._ns
+        own = job.span_context
         links = [
-            Link(other.span_context, {"scriptserve.request.id": other.request.request_id})
-            for other in batch.jobs
-            if other is not job and other.span_context is not None
+            (*context, {"scriptserve.request.id": request_id})
+            for context, request_id in batch.traced
+            if context is not own
         ]
         attributes = {
             **about,  # the request id, the model and version that ran it
-            "scriptserve.batch.size": len(batch.jobs),
-            "scriptserve.batch.request_ids": [other.request.request_id for other in batch.jobs],
+            "scriptserve.batch.size": len(batch.request_ids),
+            "scriptserve.batch.request_ids": batch.request_ids,
             "scriptserve.worker.id": batch.worker,
         }
-        span = self._span("batch", parent, batch.started, batch.ended, attributes, links, end=False)
-        inner = otel.set_span_in_context(span)
+        index = len(children)
+        started, ended = batch.started, max(batch.ended, batch.started)
+        children.append((-1, "batch", ns(started), ns(ended), attributes, links))
         if batch.input_s or batch.output_s:
-            model_from = batch.started + batch.input_s
-            model_to = max(model_from, batch.ended - batch.output_s)
-            self._span("preprocess", inner, batch.started, model_from)
-            self._span("inference", inner, model_from, model_to)
-            self._span("postprocess", inner, model_to, batch.ended)
+            model_from = min(started + batch.input_s, ended)
+            model_to = max(model_from, ended - batch.output_s)
+            children.append((index, "preprocess", ns(started), ns(model_from), None, ()))
+            children.append((index, "inference", ns(model_from), ns(model_to), None, ()))
+            children.append((index, "postprocess", ns(model_to), ns(ended), None, ()))
         else:
-            self._span("inference", inner, batch.started, batch.ended)
-        span.end(end_time=_epoch_ns(batch.ended, self._offset_s))
-
-    def _span(
-        self,
-        name: str,
-        parent: Any,
-        start: float,
-        end_at: float,
-        attributes: Mapping[str, Any] | None = None,
-        links: Sequence[Any] = (),
-        end: bool = True,
-    ) -> Span:
-        assert self._tracer is not None
-        span = self._tracer.start_span(
-            name,
-            context=parent,
-            attributes=attributes,
-            links=links,
-            start_time=_epoch_ns(start, self._offset_s),
-        )
-        if end:
-            span.end(end_time=_epoch_ns(max(end_at, start), self._offset_s))
-        return span
+            children.append((index, "inference", ns(started), ns(ended), None, ()))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Export what is left and stop the exporter."""
-        if self._provider is not None:
-            self._provider.force_flush(int(timeout_s * 1e3))
-            self._provider.shutdown()
-            self._provider = None
+        if self._export is not None:
+            self._export.close(timeout_s)
+            self._export = None
 
 
 def _protocol_from(env: Mapping[str, str]) -> OtlpProtocol:
@@ -388,22 +439,6 @@ def _protocol_from(env: Mapping[str, str]) -> OtlpProtocol:
             f"OTEL_EXPORTER_OTLP_PROTOCOL={value!r} is not supported; use grpc or http/protobuf"
         )
     return value  # type: ignore[return-value]
-
-
-def _exporter(protocol: OtlpProtocol, endpoint: str | None) -> Any:
-    """The OTLP span exporter; `endpoint` None leaves it to the OTEL_* variables (and then to
-    the protocol's default, localhost:4317 or :4318)."""
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
-
-        return GrpcExporter(endpoint=endpoint)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpExporter,
-    )
-
-    return HttpExporter(endpoint=endpoint)
 
 
 def headers_of(pairs: Sequence[tuple[str, str]] | None) -> dict[str, str]:

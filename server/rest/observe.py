@@ -184,7 +184,7 @@ class Observation:
             self._observers.access.write(record)
         if trace is not None and trace.recording:
             if route is not None:
-                trace.span.update_name(f"{self.method} {route}")
+                trace.name = f"{self.method} {route}"
             ended: dict[str, str | int] = {"http.response.status_code": self.status}
             if route is not None:
                 ended["http.route"] = route

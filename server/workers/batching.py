@@ -55,16 +55,21 @@ class Job:
     stream: PartStream[Any] | None = None
     """Where its parts go when its client takes the answer as a stream."""
     span_context: Any = None
-    """The OpenTelemetry SpanContext of its request's span, when it is traced (tracing.py)."""
+    """(trace id, span id, flags) of its request's span, when it is traced (tracing.py)."""
     batch: BatchRecord | None = None
-    """The run of the batch it was in, once a worker ran it (left only on traced jobs)."""
+    """The run of the batch it was in, once a worker ran it (left on traced jobs only)."""
 
 
 @dataclass(eq=False)
 class BatchRecord:
-    """One run of a batch by a worker, as the traces of its requests show it."""
+    """One run of a batch by a worker, as the traces of its requests show it. It holds no job,
+    so a traced job and its record make no reference cycle (they are freed with the request,
+    not by the garbage collector)."""
 
-    jobs: list[Job]
+    request_ids: list[str]
+    """Of every request in the batch, in order."""
+    traced: list[tuple[Any, str]]
+    """The span context and request id of each traced request in it: what their spans link."""
     worker: int
     started: float
     """time.monotonic() when the worker began the batch."""

@@ -58,15 +58,20 @@ def hand_back(jobs: list[Job], outcomes: Sequence[object]) -> None:
 
 def traced(jobs: list[Job], worker: int, started: float) -> BatchRecord | None:
     """The record of a batch the worker took at `started` (time.monotonic(), before decoding
-    its requests: decoding is the batch's input stage), left on its jobs, when one of them is
-    traced."""
-    for job in jobs:
-        if job.span_context is not None:
-            record = BatchRecord(jobs, worker, started)
-            for each in jobs:
-                each.batch = record
-            return record
-    return None
+    its requests: decoding is the batch's input stage), left on its traced jobs, when it has
+    any."""
+    traced_jobs = [job for job in jobs if job.span_context is not None]
+    if not traced_jobs:
+        return None
+    record = BatchRecord(
+        [job.request.request_id for job in jobs],
+        [(job.span_context, job.request.request_id) for job in traced_jobs],
+        worker,
+        started,
+    )
+    for job in traced_jobs:
+        job.batch = record
+    return record
 
 
 def fail_jobs(jobs: list[Job], error: ServingError) -> None:

@@ -3,8 +3,8 @@ request that tracing alone would see and its sampling ratio leaves out keeps onl
 `traceparent` line of its own, with no observation; every other request is observed, and the
 ratio is drawn once per request.
 
-The tracer is a real one (OpenTelemetry's SDK and its OTLP exporter, pointed at a port nothing
-listens on); the spans of the sampled requests are never ended, so nothing is exported.
+The tracer is a real one (its exporter pointed at a port nothing listens on); the spans of the
+sampled requests are never ended, so nothing is exported.
 """
 
 from __future__ import annotations

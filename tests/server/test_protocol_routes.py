@@ -120,7 +120,7 @@ def observed(store: Path, receiver: GrpcReceiver) -> Iterator[Observed]:
         receiver.endpoint,
         "--tracing-protocol",
         "grpc",
-        env={"SCRIPTSERVE_INFERENCE_KEY": KEY, "OTEL_BSP_SCHEDULE_DELAY": "50"},
+        env={"SCRIPTSERVE_INFERENCE_KEY": KEY},
     ).start()
     yield Observed(proc, access, receiver)
     proc.stop()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 import pytest
 from otlp import GrpcReceiver, HttpReceiver, Span
 from serving import ServerProcess
@@ -26,8 +27,6 @@ from scriptserve.server.observability.tracing import Tracing
 pytestmark = pytest.mark.slow
 
 ROW = [0.5] * 8
-# Spans leave the server every 50 ms instead of the SDK's 5 s (a standard OTEL_* variable).
-FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 # server, decode, queue, batch (preprocess, inference, postprocess), encode
 TREE_SPANS = 8
 
@@ -72,7 +71,6 @@ def traced(store: Path, receiver: GrpcReceiver) -> Iterator[ServerProcess]:
         "grpc",
         "--tracing-service-name",
         "scriptserve-test",
-        env=FAST_EXPORT,
     ).start()
     yield proc
     proc.stop()
@@ -253,7 +251,6 @@ def test_otel_variables_choose_exporter_sampler_and_service(store: Path) -> None
     request without a parent is sampled at ratio 0 (never), one whose parent was sampled is."""
     receiver = HttpReceiver()
     env = {
-        **FAST_EXPORT,
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_SERVICE_NAME": "fleet-a",
@@ -280,8 +277,9 @@ def test_otel_variables_choose_exporter_sampler_and_service(store: Path) -> None
 
 def test_the_sampling_ratio_samples_roots_and_follows_clients(store: Path) -> None:
     """`--tracing-sampling-ratio` samples requests without a traceparent at that ratio (the ones
-    left out are never handed to the SDK, and still get a traceparent of their own), and a
-    client's sampled parent is followed whatever the ratio."""
+    left out are never recorded, and still get a traceparent of their own), and a client's
+    sampled parent is followed whatever the ratio. The exporter process stops with the
+    server."""
     receiver = GrpcReceiver()
     proc = ServerProcess(
         store,
@@ -294,7 +292,6 @@ def test_the_sampling_ratio_samples_roots_and_follows_clients(store: Path) -> No
         "grpc",
         "--tracing-sampling-ratio",
         "0.25",
-        env=FAST_EXPORT,
     ).start()
     try:
         with httpx.Client() as client:
@@ -328,9 +325,17 @@ def test_the_sampling_ratio_samples_roots_and_follows_clients(store: Path) -> No
             receiver.trace(trace_id, TREE_SPANS)
         left_out = set(ids) - set(kept)
         assert not [s for s in receiver.spans if s.trace_id in left_out]
+        assert proc.proc is not None
+        (exporter,) = [
+            child
+            for child in psutil.Process(proc.proc.pid).children()
+            if "scriptserve.server.observability.span_export" in child.cmdline()
+        ]
     finally:
         proc.stop()
         receiver.stop()
+    # The spans' exporter process ends with the server.
+    assert not exporter.is_running() or exporter.status() == psutil.STATUS_ZOMBIE
 
 
 def test_tracing_is_off_by_default(server: ServerProcess) -> None:

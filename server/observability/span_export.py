@@ -1,0 +1,316 @@
+"""Spans leave the server from a process of their own: the server hands each sampled request's
+recorded times over as plain data, and the exporter process makes the spans and sends them.
+
+Making a request's nine spans with OpenTelemetry's Python SDK took 169 us of the event loop, and
+encoding and sending them 237 us more on the SDK's export thread, which holds the same GIL as
+the loop. Here the loop only appends the request's `SpanRecord` (tuples and dicts, made in
+`tracing.py`) to a queue; the server's sender thread pickles what is queued every 100 ms and
+writes it to the exporter's stdin; the exporter (`python -m
+scriptserve.server.observability.span_export`) turns each record into the SDK's `ReadableSpan`s
+and exports what it read in one go (in exports of at most `EXPORT_SPANS` spans) with the SDK's
+OTLP exporter, configured from the tracing settings and the `OTEL_EXPORTER_OTLP_*` variables.
+
+The loop never waits on the exporter. The exporter reads the next batch only once the last is
+exported, so a slow collector fills the pipe and then the server's queue: at most `MAX_QUEUED`
+requests wait to be sent, and more are dropped, counted and logged (one place where spans are
+dropped, as the SDK's batch span processor drops them from a queue of 2048). The exporter is
+started on the first record and started again (at most once every `RESTART_INTERVAL_S`) when it
+exits; records wait in the queue meanwhile. It exits when its stdin closes: at `close`, or when
+the server itself is gone.
+
+A `SpanRecord`:
+
+    (trace_id, span_id, flags, trace_state, parent_span_id, name, start_ns, end_ns,
+     attributes, error, children)
+
+the server span (`parent_span_id` 0 for a root; `trace_state` the W3C header, "" for none;
+`error` the description of a server-side failure, or None), and its children, each
+
+    (parent, name, start_ns, end_ns, attributes, links)
+
+where `parent` is -1 for the server span, else the index of an earlier child, and each link is
+(trace_id, span_id, flags, attributes). The exporter gives the children their span ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+log = logging.getLogger("scriptserve.tracing")
+
+Link = tuple[int, int, int, Mapping[str, Any]]
+Child = tuple[int, str, int, int, Mapping[str, Any] | None, Sequence[Link]]
+SpanRecord = tuple[
+    int, int, int, str, int, str, int, int, Mapping[str, Any], str | None, Sequence[Child]
+]
+
+MAX_QUEUED = 2048
+"""Requests whose spans may wait to be sent; more are dropped."""
+EXPORT_SPANS = 512
+"""Spans in one OTLP export, at most (the SDK's batch span processor's default)."""
+SEND_INTERVAL_S = 0.1
+WAKE_AT = 256
+"""Queued requests that wake the sender before its interval is up."""
+RESTART_INTERVAL_S = 2.0
+_FRAME = struct.Struct("<I")
+
+
+class SpanExport:
+    """The server's side: `put` from the event loop, a sender thread, the exporter process."""
+
+    def __init__(
+        self,
+        protocol: str,
+        endpoint: str | None,
+        resource: Mapping[str, str],
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self._argv = [
+            sys.executable,
+            "-m",
+            __name__,
+            json.dumps({"protocol": protocol, "endpoint": endpoint, "resource": dict(resource)}),
+        ]
+        self._environ = None if environ is None else {**os.environ, **environ}
+        self._queue: deque[SpanRecord] = deque()
+        self._due = threading.Event()
+        self._closed = False
+        self._process: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+        self.dropped = 0
+        """Requests whose spans were dropped: the queue was full, or the exporter gone."""
+        self._told_dropped = 0
+        self._thread = threading.Thread(
+            target=self._send_when_due, name="scriptserve-spans", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, record: SpanRecord) -> None:
+        """Queue one request's spans (from the event loop: never blocks)."""
+        queue = self._queue
+        if len(queue) >= MAX_QUEUED:
+            self.dropped += 1
+            return
+        queue.append(record)
+        if len(queue) == WAKE_AT:
+            self._due.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued, then let the exporter export what it holds and exit (killed
+        when it takes longer than `timeout_s`)."""
+        self._closed = True
+        self._due.set()
+        self._thread.join(timeout_s)
+        process = self._process
+        if process is None:
+            return
+        if self._thread.is_alive():  # stuck writing to an exporter that stopped reading
+            process.kill()
+        else:
+            assert process.stdin is not None
+            process.stdin.close()  # its end of input: it flushes and exits
+        try:
+            process.wait(timeout_s + 1.0)
+        except subprocess.TimeoutExpired:
+            log.warning("the span exporter took over %.1f s to flush; killed", timeout_s)
+            process.kill()
+            process.wait()
+        self._process = None
+
+    # -- the sender thread -------------------------------------------------------------------
+    def _send_when_due(self) -> None:
+        while not self._closed:
+            self._due.wait(SEND_INTERVAL_S)
+            self._due.clear()
+            self._send()
+        self._send()
+
+    def _send(self) -> None:
+        if self.dropped != self._told_dropped:
+            log.warning(
+                "tracing dropped the spans of %d requests (the exporter could not keep up)",
+                self.dropped - self._told_dropped,
+            )
+            self._told_dropped = self.dropped
+        queue = self._queue
+        if not queue:
+            return
+        process = self._running()
+        if process is None:
+            return  # the records wait for the exporter's restart
+        batch = [queue.popleft() for _ in range(len(queue))]
+        payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        assert process.stdin is not None
+        try:
+            _write_all(process.stdin, _FRAME.pack(len(payload)) + payload)
+        except OSError:  # it exited while this was written
+            self.dropped += len(batch)
+
+    def _running(self) -> subprocess.Popen[bytes] | None:
+        """The exporter process, started (again) when it is not running; None while it may
+        not be restarted yet."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            return process
+        now = time.monotonic()
+        if process is not None:
+            log.warning(
+                "the span exporter exited with code %s; starting it again", process.returncode
+            )
+            self._process = None
+        if now - self._started_at < RESTART_INTERVAL_S:
+            return None
+        self._started_at = now
+        self._process = subprocess.Popen(
+            self._argv, stdin=subprocess.PIPE, bufsize=0, env=self._environ
+        )
+        return self._process
+
+
+def _write_all(stream: IO[bytes], data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = stream.write(view)
+        view = view[written or 0 :]
+
+
+# -- the exporter process ----------------------------------------------------------------------
+class Exporter:
+    """Turns `SpanRecord`s into the SDK's spans and exports them over OTLP."""
+
+    def __init__(self, protocol: str, endpoint: str | None, resource: Mapping[str, str]) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        from scriptserve import __version__
+
+        self._resource = Resource.create(dict(resource))
+        self._scope = InstrumentationScope("scriptserve", __version__)
+        self.otlp = _exporter(protocol, endpoint)
+
+    def export(self, records: Sequence[SpanRecord]) -> None:
+        """Export the spans of `records`, waiting for the collector's answers (the OTLP
+        exporter retries and logs its failures)."""
+        spans = [span for record in records for span in self.spans(record)]
+        for at in range(0, len(spans), EXPORT_SPANS):
+            self.otlp.export(spans[at : at + EXPORT_SPANS])
+
+    def spans(self, record: SpanRecord) -> list[Any]:
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.trace import (
+            Link,
+            SpanContext,
+            SpanKind,
+            Status,
+            StatusCode,
+            TraceFlags,
+            TraceState,
+        )
+
+        trace_id, span_id, flags, state, parent_id, name, start, end = record[:8]
+        attributes, error, children = record[8:]
+        trace_flags = TraceFlags(flags)
+        trace_state = TraceState.from_header([state]) if state else None
+        context = SpanContext(trace_id, span_id, False, trace_flags, trace_state)
+        parent = (
+            SpanContext(trace_id, parent_id, True, trace_flags, trace_state) if parent_id else None
+        )
+        status = Status(StatusCode.ERROR, error) if error is not None else Status(StatusCode.UNSET)
+        resource, scope = self._resource, self._scope
+        server = ReadableSpan(
+            name,
+            context,
+            parent,
+            attributes=attributes,
+            kind=SpanKind.SERVER,
+            status=status,
+            start_time=start,
+            end_time=end,
+            resource=resource,
+            instrumentation_scope=scope,
+        )
+        spans = [server]
+        contexts: list[SpanContext] = []
+        for parent_index, child_name, child_start, child_end, child_attributes, links in children:
+            own = SpanContext(
+                trace_id, random.getrandbits(64) or 1, False, trace_flags, trace_state
+            )
+            contexts.append(own)
+            spans.append(
+                ReadableSpan(
+                    child_name,
+                    own,
+                    context if parent_index < 0 else contexts[parent_index],
+                    attributes=child_attributes,
+                    links=[
+                        Link(SpanContext(t, s, False, TraceFlags(f)), linked)
+                        for t, s, f, linked in links
+                    ],
+                    start_time=child_start,
+                    end_time=child_end,
+                    resource=resource,
+                    instrumentation_scope=scope,
+                )
+            )
+        return spans
+
+
+def _exporter(protocol: str, endpoint: str | None) -> Any:
+    """The OTLP span exporter; `endpoint` None leaves it to the OTEL_* variables (and then to
+    the protocol's default, localhost:4317 or :4318)."""
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    return HttpExporter(endpoint=endpoint)
+
+
+def _frames(stream: IO[bytes]) -> Any:
+    """The pickled batches on `stream`, until its end."""
+    while True:
+        head = stream.read(_FRAME.size)
+        if len(head) < _FRAME.size:
+            return
+        (size,) = _FRAME.unpack(head)
+        payload = stream.read(size)
+        if len(payload) < size:
+            return
+        yield pickle.loads(payload)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The exporter process: batches of records from stdin, each exported before the next is
+    read, until stdin closes."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s span exporter: %(message)s"
+    )
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    exporter = Exporter(config["protocol"], config["endpoint"], config["resource"])
+    try:
+        for batch in _frames(sys.stdin.buffer):
+            exporter.export(batch)
+    finally:
+        exporter.otlp.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""The span exporter process (server/observability/span_export.py), driven as the server drives
+it: records put from this thread, a real exporter process, a real OTLP/gRPC receiver. Its span
+tree and links, an exporter that stops reading (records are dropped, never waited for) and one
+that exits (started again)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from otlp import GrpcReceiver
+
+from scriptserve.server.observability import span_export
+from scriptserve.server.observability.span_export import SpanExport, SpanRecord
+
+NOW_NS = time.time_ns()
+
+
+def record(trace_id: int, parent_id: int = 0, error: str | None = None) -> SpanRecord:
+    """A request's span and its children: decode, queue, batch (with inference under it, and a
+    link to another request), encode."""
+    link = (trace_id + 1, 0x1234, 1, {"scriptserve.request.id": "other"})
+    children = [
+        (-1, "decode", NOW_NS, NOW_NS + 10, None, ()),
+        (-1, "queue", NOW_NS + 10, NOW_NS + 20, {"scriptserve.request.id": "r1"}, ()),
+        (-1, "batch", NOW_NS + 20, NOW_NS + 80, {"scriptserve.batch.size": 2}, (link,)),
+        (2, "inference", NOW_NS + 30, NOW_NS + 70, None, ()),
+        (-1, "encode", NOW_NS + 80, NOW_NS + 90, None, ()),
+    ]
+    attributes = {"http.route": "/predictions/{model_name}", "http.response.status_code": 200}
+    return (
+        trace_id, 0xABCDEF, 1, "vendor=1", parent_id, "POST /predictions/{model_name}",
+        NOW_NS, NOW_NS + 100, attributes, error, children,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def receiver() -> Iterator[GrpcReceiver]:
+    found = GrpcReceiver()
+    yield found
+    found.stop()
+
+
+@pytest.fixture
+def export(receiver: GrpcReceiver) -> Iterator[SpanExport]:
+    made = SpanExport("grpc", receiver.endpoint, {"service.name": "spans-test"})
+    yield made
+    made.close(timeout_s=2.0)
+
+
+def exporter_process(export: SpanExport, timeout_s: float = 15.0) -> psutil.Process:
+    """The exporter process of `export`, once its sender thread has started one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for child in psutil.Process().children():
+            try:
+                if span_export.__name__ in child.cmdline() and child.status() != "zombie":
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.05)
+    raise AssertionError("no span exporter process was started")
+
+
+def test_a_record_becomes_the_requests_span_tree(
+    export: SpanExport, receiver: GrpcReceiver
+) -> None:
+    trace_id, parent_id = secrets.randbits(128), secrets.randbits(64)
+    export.put(record(trace_id, parent_id, error="HTTP 500"))
+    spans = {s.name: s for s in receiver.trace(f"{trace_id:032x}", 6)}
+    server = spans["POST /predictions/{model_name}"]
+    assert server.kind == "SERVER" and server.span_id == f"{0xABCDEF:016x}"
+    assert server.parent_id == f"{parent_id:016x}"
+    assert server.status_code == 2  # an error on the server's side
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.resource["service.name"] == "spans-test"
+    assert (server.start_ns, server.end_ns) == (NOW_NS, NOW_NS + 100)
+    for name in ("decode", "queue", "batch", "encode"):
+        assert spans[name].parent_id == server.span_id and spans[name].kind == "INTERNAL"
+    assert spans["inference"].parent_id == spans["batch"].span_id
+    assert len({s.span_id for s in spans.values()}) == 6
+    assert spans["batch"].links == [
+        (f"{trace_id + 1:032x}", f"{0x1234:016x}", {"scriptserve.request.id": "other"})
+    ]
+    assert spans["queue"].attributes == {"scriptserve.request.id": "r1"}
+
+
+def test_an_exporter_that_stops_reading_costs_dropped_spans_not_waits(
+    export: SpanExport, receiver: GrpcReceiver
+) -> None:
+    """Stopped (SIGSTOP), the exporter reads nothing: its pipe fills, the sender waits on it, and
+    the queue keeps at most MAX_QUEUED requests; `put` returns at once and counts what it drops.
+    Continued, it exports again."""
+    first = secrets.randbits(128)
+    export.put(record(first))
+    receiver.trace(f"{first:032x}", 6)
+    process = exporter_process(export)
+    process.suspend()
+    count = span_export.MAX_QUEUED * 3
+    try:
+        for _ in range(count):
+            export.put(record(secrets.randbits(128)))
+        time.sleep(3 * span_export.SEND_INTERVAL_S)  # the sender is stuck on the full pipe
+        for _ in range(count):
+            export.put(record(secrets.randbits(128)))
+        assert export.dropped >= count - span_export.MAX_QUEUED
+    finally:
+        process.resume()
+    # Every request that was not dropped arrives, and nothing more.
+    sent = 1 + 2 * count - export.dropped
+    spans = receiver.wait_for(lambda spans: len(spans) >= 6 * sent, timeout_s=60)
+    time.sleep(5 * span_export.SEND_INTERVAL_S)
+    assert len(spans) == len(receiver.spans) == 6 * sent
+    later = secrets.randbits(128)
+    export.put(record(later))
+    assert len(receiver.trace(f"{later:032x}", 6, timeout_s=30)) == 6
+
+
+def test_an_exporter_that_exits_is_started_again(
+    export: SpanExport, receiver: GrpcReceiver
+) -> None:
+    first = secrets.randbits(128)
+    export.put(record(first))
+    receiver.trace(f"{first:032x}", 6)
+    gone = exporter_process(export)
+    gone.kill()
+    gone.wait(10)
+    time.sleep(span_export.RESTART_INTERVAL_S)
+    later = secrets.randbits(128)
+    export.put(record(later))
+    assert len(receiver.trace(f"{later:032x}", 6, timeout_s=30)) == 6
+    assert exporter_process(export).pid != gone.pid
+
+
+def test_close_returns_when_the_exporter_is_stuck(receiver: GrpcReceiver) -> None:
+    """An exporter that never reads again is killed by `close`, which returns."""
+    export = SpanExport("grpc", receiver.endpoint, {})
+    export.put(record(secrets.randbits(128)))
+    process = exporter_process(export)
+    process.suspend()
+    for _ in range(span_export.MAX_QUEUED):
+        export.put(record(secrets.randbits(128)))
+    export.close(timeout_s=1.0)
+    assert process.wait(10) is not None or not process.is_running()
