@@ -3,15 +3,20 @@
     python -m benchmarks.otlp_sink --port 4317     # prints the spans it received on SIGTERM
 
 It decodes every export as a collector would (opentelemetry-proto's TraceService), in its own
-process, and answers at once.
+process, and answers at once. `running()` starts one for a benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,6 +39,33 @@ class CountingService(trace_service_pb2_grpc.TraceServiceServicer):  # type: ign
             self.spans += spans
             self.exports += 1
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@dataclass
+class Sink:
+    endpoint: str
+    pid: int
+    received: str = ""
+    """What it printed when it stopped: `spans=N exports=M`."""
+
+
+@contextlib.contextmanager
+def running(port: int) -> Iterator[Sink]:
+    """A sink in a process of its own on `port`, listening, until the block ends; then its
+    `received` says what it counted."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.otlp_sink", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    process.stdout.readline()  # listening
+    sink = Sink(f"http://127.0.0.1:{port}", process.pid)
+    try:
+        yield sink
+    finally:
+        process.send_signal(signal.SIGTERM)
+        sink.received = process.communicate(timeout=30)[0].strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,23 +29,42 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks import models, report
+from benchmarks import models, otlp_sink, report
 from benchmarks.ab import RESULTS, alternate, server
 from benchmarks.loadgen import wrk_path
 from benchmarks.servers import ServerProcess, free_port
+from benchmarks.zoo import cpu_line
 
 
 def quiet(pids: list[int], idle_share: float = 0.05, timeout_s: float = 60.0) -> None:
-    """Wait until the processes `pids` together use less than `idle_share` of a core over
-    half a second: a traced server goes on exporting spans after its round (up to the batch
-    processor's queue of 2,048), and the receiver on decoding them."""
-    procs = [psutil.Process(pid) for pid in pids]
+    """Wait until the processes `pids` and their children together use less than `idle_share`
+    of a core over half a second: a traced server's span exporter goes on exporting after its
+    round (up to 2,048 requests' spans wait in the server), and the receiver on decoding them."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        before = sum(sum(p.cpu_times()[:2]) for p in procs)
+        procs = [p for pid in pids for p in _with_children(pid)]
+        before = _cpu_seconds(procs)
         time.sleep(0.5)
-        if sum(sum(p.cpu_times()[:2]) for p in procs) - before < idle_share * 0.5:
+        if _cpu_seconds(procs) - before < idle_share * 0.5:
             return
+
+
+def _with_children(pid: int) -> list[psutil.Process]:
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in procs:
+        try:
+            total += sum(process.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            continue  # it exited between the readings
+    return total
 
 
 def traced(endpoint: str, ratio: float) -> dict[str, str]:
@@ -76,16 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     wrk_path()
     started = dt.datetime.now().astimezone()
     load_before = os.getloadavg()
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    sink = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.otlp_sink", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert sink.stdout is not None
-    sink.stdout.readline()  # listening
-    try:
+    with otlp_sink.running(free_port()) as sink:
+        endpoint = sink.endpoint
         with tempfile.TemporaryDirectory(prefix="scriptserve-switches-") as tmp:
             store = Path(tmp) / "store"
             model = models.build("mlp", Path(tmp) / "work", store)
@@ -124,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for s in servers.values():
                     s.stop()
-    finally:
-        sink.send_signal(signal.SIGTERM)
-        received = sink.communicate(timeout=30)[0].strip()
+    received = sink.received
     medians = {k: statistics.median(v) for k, v in runs.items()}
     both_off = [(a + b) / 2 for a, b in zip(runs["off"], runs["off-again"], strict=True)]
     ratios = {
@@ -159,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OTLP receiver: {received}")
     host = {
         "cpus": os.cpu_count(),
+        "cpu": cpu_line(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
-    print(report.host_line(host))
+    print(f"{report.host_line(host)}; {host['cpu']}")
     out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
