@@ -7,16 +7,19 @@ the loop. Here the loop only appends the request's `SpanRecord` (tuples and dict
 `tracing.py`) to a queue; the server's sender thread pickles what is queued every 100 ms and
 writes it to the exporter's stdin; the exporter (`python -m
 scriptserve.server.observability.span_export`) turns each record into the SDK's `ReadableSpan`s
-and exports what it read in one go (in exports of at most `EXPORT_SPANS` spans) with the SDK's
-OTLP exporter, configured from the tracing settings and the `OTEL_EXPORTER_OTLP_*` variables.
+and exports them with the SDK's OTLP exporter, configured from the tracing settings and the
+`OTEL_EXPORTER_OTLP_*` variables. It batches them as the SDK's batch span processor does and
+from the same variables: an export once `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans (512) are
+waiting, or `OTEL_BSP_SCHEDULE_DELAY` ms (5000) after the oldest arrived: each export costs the
+exporter and the collector work of its own, whatever its size.
 
-The loop never waits on the exporter. The exporter reads the next batch only once the last is
-exported, so a slow collector fills the pipe and then the server's queue: at most `MAX_QUEUED`
-requests wait to be sent, and more are dropped, counted and logged (one place where spans are
-dropped, as the SDK's batch span processor drops them from a queue of 2048). The exporter is
-started on the first record and started again (at most once every `RESTART_INTERVAL_S`) when it
-exits; records wait in the queue meanwhile. It exits when its stdin closes: at `close`, or when
-the server itself is gone.
+The loop never waits on the exporter. The exporter reads no more while it exports, so a slow
+collector fills the pipe and then the server's queue: at most `MAX_QUEUED` requests wait to be
+sent, and more are dropped, counted and logged (the one place where spans are dropped, as the
+SDK's batch span processor drops them from a queue of 2048). The exporter is started on the
+first record and started again (at most once every `RESTART_INTERVAL_S`) when it exits; records
+wait in the queue meanwhile. It exits when its stdin closes, at `close` or when the server is
+gone, after exporting what it holds.
 
 A `SpanRecord`:
 
@@ -39,6 +42,7 @@ import logging
 import os
 import pickle
 import random
+import select
 import struct
 import subprocess
 import sys
@@ -59,7 +63,10 @@ SpanRecord = tuple[
 MAX_QUEUED = 2048
 """Requests whose spans may wait to be sent; more are dropped."""
 EXPORT_SPANS = 512
-"""Spans in one OTLP export, at most (the SDK's batch span processor's default)."""
+"""Spans in one OTLP export, at most, unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise (the
+SDK's batch span processor's default)."""
+SCHEDULE_DELAY_MS = 5000
+"""The longest a span waits for its export, unless OTEL_BSP_SCHEDULE_DELAY says otherwise."""
 SEND_INTERVAL_S = 0.1
 WAKE_AT = 256
 """Queued requests that wake the sender before its interval is up."""
@@ -190,7 +197,13 @@ def _write_all(stream: IO[bytes], data: bytes) -> None:
 class Exporter:
     """Turns `SpanRecord`s into the SDK's spans and exports them over OTLP."""
 
-    def __init__(self, protocol: str, endpoint: str | None, resource: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        protocol: str,
+        endpoint: str | None,
+        resource: Mapping[str, str],
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -199,13 +212,35 @@ class Exporter:
         self._resource = Resource.create(dict(resource))
         self._scope = InstrumentationScope("scriptserve", __version__)
         self.otlp = _exporter(protocol, endpoint)
+        self.batch_size = _positive(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", EXPORT_SPANS)
+        self.delay_s = _positive(environ, "OTEL_BSP_SCHEDULE_DELAY", SCHEDULE_DELAY_MS) / 1e3
+        self.pending: list[Any] = []
+        self.due: float | None = None
+        """time.monotonic() by which the pending spans are to be exported; None when none
+        are."""
 
-    def export(self, records: Sequence[SpanRecord]) -> None:
-        """Export the spans of `records`, waiting for the collector's answers (the OTLP
+    def add(self, records: Sequence[SpanRecord]) -> None:
+        """The spans of `records` wait for their export; every full batch goes at once."""
+        for record in records:
+            self.pending.extend(self.spans(record))
+        if self.pending and self.due is None:
+            self.due = time.monotonic() + self.delay_s
+        while len(self.pending) >= self.batch_size:
+            self._export(self.batch_size)
+        if not self.pending:
+            self.due = None
+
+    def flush(self) -> None:
+        """Export every pending span."""
+        while self.pending:
+            self._export(self.batch_size)
+        self.due = None
+
+    def _export(self, count: int) -> None:
+        """Export the first `count` pending spans, waiting for the collector's answer (the OTLP
         exporter retries and logs its failures)."""
-        spans = [span for record in records for span in self.spans(record)]
-        for at in range(0, len(spans), EXPORT_SPANS):
-            self.otlp.export(spans[at : at + EXPORT_SPANS])
+        spans, self.pending = self.pending[:count], self.pending[count:]
+        self.otlp.export(spans)
 
     def spans(self, record: SpanRecord) -> list[Any]:
         from opentelemetry.sdk.trace import ReadableSpan
@@ -283,31 +318,63 @@ def _exporter(protocol: str, endpoint: str | None) -> Any:
     return HttpExporter(endpoint=endpoint)
 
 
-def _frames(stream: IO[bytes]) -> Any:
-    """The pickled batches on `stream`, until its end."""
-    while True:
-        head = stream.read(_FRAME.size)
-        if len(head) < _FRAME.size:
-            return
-        (size,) = _FRAME.unpack(head)
-        payload = stream.read(size)
-        if len(payload) < size:
-            return
-        yield pickle.loads(payload)
+def _positive(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name, "")
+    try:
+        found = int(value) if value else default
+    except ValueError:
+        found = 0
+    if found <= 0:
+        log.warning("%s=%r is not a positive integer; %d is used", name, value, default)
+        return default
+    return found
+
+
+def _read(fd: int, size: int) -> bytes | None:
+    """`size` bytes from `fd`, or None at its end."""
+    parts: list[bytes] = []
+    left = size
+    while left:
+        part = os.read(fd, left)
+        if not part:
+            return None
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _next_batch(fd: int) -> list[SpanRecord] | None:
+    """The next pickled batch of records on `fd`, or None at its end."""
+    head = _read(fd, _FRAME.size)
+    if head is None:
+        return None
+    (size,) = _FRAME.unpack(head)
+    payload = _read(fd, size)
+    return None if payload is None else pickle.loads(payload)  # from the server, its parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exporter process: batches of records from stdin, each exported before the next is
-    read, until stdin closes."""
+    """The exporter process: batches of records from stdin, their spans exported as they
+    fill a batch or wait their delay, until stdin closes; then what is left."""
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s span exporter: %(message)s"
     )
     config = json.loads((argv if argv is not None else sys.argv[1:])[0])
     exporter = Exporter(config["protocol"], config["endpoint"], config["resource"])
+    fd = sys.stdin.fileno()
     try:
-        for batch in _frames(sys.stdin.buffer):
-            exporter.export(batch)
+        while True:
+            due = exporter.due
+            wait = None if due is None else max(0.0, due - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                exporter.flush()  # the oldest span waited its delay
+                continue
+            batch = _next_batch(fd)
+            if batch is None:
+                break
+            exporter.add(batch)
     finally:
+        exporter.flush()
         exporter.otlp.shutdown()
     return 0
 

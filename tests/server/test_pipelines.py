@@ -233,6 +233,7 @@ def test_a_pipeline_request_is_one_access_line_and_one_span_tree(
         receiver.endpoint,
         "--tracing-protocol",
         "grpc",
+        env={"OTEL_BSP_SCHEDULE_DELAY": "50"},
     ).start()
     try:
         trace_id = secrets.token_hex(16)

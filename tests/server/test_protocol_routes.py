@@ -77,7 +77,7 @@ def _start(store: Path, *args: str) -> ServerProcess:
         "--max-request-bytes",
         str(MAX_BODY),
         *args,
-        env={"SCRIPTSERVE_INFERENCE_KEY": KEY},
+        env={"SCRIPTSERVE_INFERENCE_KEY": KEY, "OTEL_BSP_SCHEDULE_DELAY": "50"},
     ).start()
 
 
@@ -120,7 +120,7 @@ def observed(store: Path, receiver: GrpcReceiver) -> Iterator[Observed]:
         receiver.endpoint,
         "--tracing-protocol",
         "grpc",
-        env={"SCRIPTSERVE_INFERENCE_KEY": KEY},
+        env={"SCRIPTSERVE_INFERENCE_KEY": KEY, "OTEL_BSP_SCHEDULE_DELAY": "50"},
     ).start()
     yield Observed(proc, access, receiver)
     proc.stop()

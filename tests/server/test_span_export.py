@@ -1,7 +1,7 @@
 """The span exporter process (server/observability/span_export.py), driven as the server drives
 it: records put from this thread, a real exporter process, a real OTLP/gRPC receiver. Its span
 tree and links, an exporter that stops reading (records are dropped, never waited for) and one
-that exits (started again)."""
+that exits (started again), and the batches it exports."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from scriptserve.server.observability import span_export
 from scriptserve.server.observability.span_export import SpanExport, SpanRecord
 
 NOW_NS = time.time_ns()
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "20"}
 
 
 def record(trace_id: int, parent_id: int = 0, error: str | None = None) -> SpanRecord:
@@ -46,7 +47,7 @@ def receiver() -> Iterator[GrpcReceiver]:
 
 @pytest.fixture
 def export(receiver: GrpcReceiver) -> Iterator[SpanExport]:
-    made = SpanExport("grpc", receiver.endpoint, {"service.name": "spans-test"})
+    made = SpanExport("grpc", receiver.endpoint, {"service.name": "spans-test"}, FAST_EXPORT)
     yield made
     made.close(timeout_s=2.0)
 
@@ -137,7 +138,7 @@ def test_an_exporter_that_exits_is_started_again(
 
 def test_close_returns_when_the_exporter_is_stuck(receiver: GrpcReceiver) -> None:
     """An exporter that never reads again is killed by `close`, which returns."""
-    export = SpanExport("grpc", receiver.endpoint, {})
+    export = SpanExport("grpc", receiver.endpoint, {}, FAST_EXPORT)
     export.put(record(secrets.randbits(128)))
     process = exporter_process(export)
     process.suspend()
@@ -145,3 +146,26 @@ def test_close_returns_when_the_exporter_is_stuck(receiver: GrpcReceiver) -> Non
         export.put(record(secrets.randbits(128)))
     export.close(timeout_s=1.0)
     assert process.wait(10) is not None or not process.is_running()
+
+
+def test_spans_leave_in_batches_of_the_standard_size_or_after_its_delay(
+    receiver: GrpcReceiver,
+) -> None:
+    """OTEL_BSP_MAX_EXPORT_BATCH_SIZE and OTEL_BSP_SCHEDULE_DELAY, as the SDK's batch span
+    processor reads them: a request's 6 spans wait for a batch of 12 (the delay is a minute),
+    go in one export with the next request's, and what is left goes when the export closes."""
+    batching = {"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "12", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+    export = SpanExport("grpc", receiver.endpoint, {}, batching)
+    try:
+        ids = [secrets.randbits(128) for _ in range(3)]
+        export.put(record(ids[0]))
+        time.sleep(1.0)
+        assert receiver.spans == []  # waiting for its batch
+        export.put(record(ids[1]))
+        spans = receiver.wait_for(lambda spans: len(spans) >= 12)
+        assert len(spans) == 12 and receiver.exports == 1
+        export.put(record(ids[2]))
+    finally:
+        export.close(timeout_s=10.0)
+    assert len(receiver.spans) == 18 and receiver.exports == 2  # the last, at close
+    assert {s.trace_id for s in receiver.spans} == {f"{i:032x}" for i in ids}
