@@ -86,10 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         "--before", help="python of another tree, served with both off and with the access log"
     )
     p.add_argument("--all", action="store_true", help="also tracing with every trace sampled")
+    p.add_argument(
+        "--only",
+        help="comma-separated switches to serve beside the two with both off (for example "
+        "tracing-0.01,tracing-0): fewer servers, more rounds in the same time",
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
     args = p.parse_args(argv)
+    if args.only and args.before:
+        p.error("--before serves the plain access log against the other tree's: not with --only")
     wrk_path()
     started = dt.datetime.now().astimezone()
     load_before = os.getloadavg()
@@ -113,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.all:
                 configurations["tracing-1"] = traced(endpoint, 1.0)
+            if args.only:
+                kept = {"off", "off-again", *args.only.split(",")}
+                configurations = {k: v for k, v in configurations.items() if k in kept}
             servers: dict[str, ServerProcess] = {
                 label: server(label, sys.executable, store, env)
                 for label, env in configurations.items()
