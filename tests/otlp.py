@@ -39,6 +39,8 @@ class Span:
     status_code: int
     """0 unset, 1 ok, 2 error."""
     resource: dict[str, Any]
+    trace_state: str = ""
+    """The W3C tracestate the span carries."""
 
 
 class Receiver:
@@ -75,6 +77,7 @@ class Receiver:
                             ],
                             status_code=s.status.code,
                             resource=resource,
+                            trace_state=s.trace_state,
                         )
                     )
         with self._lock:

@@ -97,7 +97,8 @@ class SpanExport:
         self._process: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self.dropped = 0
-        """Requests whose spans were dropped: the queue was full, or the exporter gone."""
+        """Requests whose spans were dropped because the queue was full (added to by `put`
+        only)."""
         self._told_dropped = 0
         self._thread = threading.Thread(
             target=self._send_when_due, name="scriptserve-spans", daemon=True
@@ -163,7 +164,8 @@ class SpanExport:
         try:
             _write_all(process.stdin, _FRAME.pack(len(payload)) + payload)
         except OSError:  # it exited while this was written
-            self.dropped += len(batch)
+            # Counted apart from `dropped`, which only the event loop's thread adds to.
+            log.warning("tracing lost the spans of %d requests: the exporter exited", len(batch))
 
     def _running(self) -> subprocess.Popen[bytes] | None:
         """The exporter process, started (again) when it is not running; None while it may

@@ -219,7 +219,7 @@ class Tracing:
         try:
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-            from opentelemetry.trace import SpanKind
+            from opentelemetry.trace import SpanKind, get_current_span
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
             )
@@ -246,10 +246,11 @@ class Tracing:
         else:  # the SDK's, from OTEL_TRACES_SAMPLER (parent-based always-on when unset)
             self._sampler = TracerProvider(shutdown_on_exit=False).sampler
         self._server_kind = SpanKind.SERVER
+        self._span_in = get_current_span
         self._propagator = TraceContextTextMapPropagator()
         self.protocol = protocol or _protocol_from(env)
         exporter = f"opentelemetry.exporter.otlp.proto.{self.protocol.split('/')[0]}"
-        if importlib.util.find_spec(exporter) is None:
+        if not _importable(exporter):
             raise TracingUnavailable(
                 f"tracing over OTLP {self.protocol} needs {exporter}: "
                 "pip install 'scriptserve[tracing]'"
@@ -281,12 +282,9 @@ class Tracing:
         `traceparent` when `headers` carry a valid one; it keeps `attributes`."""
         started = time.monotonic()
         span_id = random.getrandbits(64) or 1
-        parent = None
         if TRACEPARENT in headers:
-            from opentelemetry.trace import get_current_span
-
             parent = self._propagator.extract(headers)
-            client = get_current_span(parent).get_span_context()
+            client = self._span_in(parent).get_span_context()
             if client.is_valid:
                 result = self._sampler.should_sample(
                     parent, client.trace_id, name, self._server_kind, attributes
@@ -428,6 +426,13 @@ class Tracing:
         if self._export is not None:
             self._export.close(timeout_s)
             self._export = None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a package above it is missing
+        return False
 
 
 def _protocol_from(env: Mapping[str, str]) -> OtlpProtocol:

@@ -60,9 +60,12 @@ def traced(jobs: list[Job], worker: int, started: float) -> BatchRecord | None:
     """The record of a batch the worker took at `started` (time.monotonic(), before decoding
     its requests: decoding is the batch's input stage), left on its traced jobs, when it has
     any."""
+    for job in jobs:
+        if job.span_context is not None:
+            break
+    else:
+        return None  # the usual case: no list made
     traced_jobs = [job for job in jobs if job.span_context is not None]
-    if not traced_jobs:
-        return None
     record = BatchRecord(
         [job.request.request_id for job in jobs],
         [(job.span_context, job.request.request_id) for job in traced_jobs],

@@ -87,6 +87,7 @@ def test_a_record_becomes_the_requests_span_tree(
         (f"{trace_id + 1:032x}", f"{0x1234:016x}", {"scriptserve.request.id": "other"})
     ]
     assert spans["queue"].attributes == {"scriptserve.request.id": "r1"}
+    assert {s.trace_state for s in spans.values()} == {"vendor=1"}  # the client's, passed on
 
 
 def test_an_exporter_that_stops_reading_costs_dropped_spans_not_waits(

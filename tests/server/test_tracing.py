@@ -129,7 +129,8 @@ def test_rest_request_is_a_span_tree_under_the_clients_traceparent(
     traced: ServerProcess, receiver: GrpcReceiver
 ) -> None:
     header, trace_id, client_span = new_parent()
-    reply = httpx.post(f"{traced.url}/predictions/tiny", json=ROW, headers={"traceparent": header})
+    headers = {"traceparent": header, "tracestate": "vendor=a1"}
+    reply = httpx.post(f"{traced.url}/predictions/tiny", json=ROW, headers=headers)
     assert reply.status_code == 200
     version, returned_trace, returned_span, _ = reply.headers["traceparent"].split("-")
     assert (version, returned_trace) == ("00", trace_id) and sampled(reply.headers["traceparent"])
@@ -144,6 +145,7 @@ def test_rest_request_is_a_span_tree_under_the_clients_traceparent(
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["client.address"] == "127.0.0.1"
     assert root.status_code == 0  # not an error
+    assert {s.trace_state for s in spans} == {"vendor=a1"}  # the client's, passed on
 
 
 def test_grpc_call_is_a_span_tree_under_the_clients_traceparent(
