@@ -1,12 +1,13 @@
 """What the access log and tracing cost scenario A: the same tree with both off, with the access
 log on (JSON lines to a file, and plain lines, the default), with tracing on at a sampling
 ratio of 0.01 and of 0 (and, with `--all`, every trace sampled; given `--before`, another tree
-with both off and with the plain access log on), each loaded in turn by wrk round after round,
-as benchmarks/ab.py does. Two servers have both off: each round's ratios are taken to the mean
-of the two, and the ratio of one to the other (the control) is what the machine's noise alone
-makes of a ratio in that run.
+with both off and with the plain access log on, or with each switch of `--only`), each loaded
+in turn by wrk round after round, as benchmarks/ab.py does. Two servers have both off: each
+round's ratios are taken to the mean of the two, and the ratio of one to the other (the
+control) is what the machine's noise alone makes of a ratio in that run.
 
     python -m benchmarks.switches [--before /tmp/before-venv/bin/python] [--rounds 6] [--all]
+        [--only tracing-0.01,tracing-0]
 
 Spans go over OTLP/gRPC to benchmarks/otlp_sink.py, a receiver in its own process on this
 machine that decodes and counts them (a collector elsewhere would take that CPU off the
@@ -83,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--before", help="python of another tree, served with both off and with the access log"
+        "--before",
+        help="python of another tree, served with both off and with the plain access log (with "
+        "--only: with each switch named there)",
     )
     p.add_argument("--all", action="store_true", help="also tracing with every trace sampled")
     p.add_argument(
@@ -95,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
     args = p.parse_args(argv)
-    if args.only and args.before:
-        p.error("--before serves the plain access log against the other tree's: not with --only")
     wrk_path()
     started = dt.datetime.now().astimezone()
     load_before = os.getloadavg()
@@ -120,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.all:
                 configurations["tracing-1"] = traced(endpoint, 1.0)
+            compared = ["access-log-plain"]  # served by the other tree too, given --before
             if args.only:
-                kept = {"off", "off-again", *args.only.split(",")}
+                compared = args.only.split(",")
+                unknown = set(compared) - set(configurations)
+                if unknown:
+                    p.error(f"--only: no switch {', '.join(sorted(unknown))}")
+                kept = {"off", "off-again", *compared}
                 configurations = {k: v for k, v in configurations.items() if k in kept}
             servers: dict[str, ServerProcess] = {
                 label: server(label, sys.executable, store, env)
@@ -129,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.before:
                 servers["before"] = server("before", args.before, store, {})
-                plain = configurations["access-log-plain"]
-                servers["before-access-log-plain"] = server(
-                    "before-access-log-plain", args.before, store, plain
-                )
+                for label in compared:
+                    servers[f"before-{label}"] = server(
+                        f"before-{label}", args.before, store, configurations[label]
+                    )
             for s in servers.values():
                 s.__enter__()
             pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
@@ -155,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     against_before: dict[str, list[float]] = {}
     if "before" in runs:
         against_before = {
-            label: [a / b for a, b in zip(runs[label], runs[f"before{suffix}"], strict=True)]
-            for label, suffix in (("off", ""), ("access-log-plain", "-access-log-plain"))
+            label: [a / b for a, b in zip(runs[label], runs[other], strict=True)]
+            for label, other in (
+                ("off", "before"),
+                *((label, f"before-{label}") for label in compared),
+            )
         }
     print("medians: " + ", ".join(f"{k} {v:.0f} req/s" for k, v in medians.items()))
     print(
