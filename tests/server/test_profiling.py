@@ -157,7 +157,8 @@ def test_one_capture_per_model_and_one_per_process_for_thread_workers(
         waiting.join(30)
     assert first[0].status_code == 200
     assert first[0].headers["x-profile-batches"] == "0"
-    assert float(first[0].headers["x-profile-seconds"]) >= 3
+    # It waited out its 3 s (the event loop's timer may fire a millisecond early).
+    assert float(first[0].headers["x-profile-seconds"]) >= 2.99
     assert batch_ranges(first[0].json(), "tiny") == []
 
 
