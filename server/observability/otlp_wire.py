@@ -42,6 +42,7 @@ _LOCAL_PARENT = b"\x85\x01" + _FIXED32(HAS_IS_REMOTE)  # Span.flags (field 16, f
 _REMOTE_PARENT = b"\x85\x01" + _FIXED32(HAS_IS_REMOTE | IS_REMOTE)
 _LINK_FLAGS = b"\x35" + _FIXED32(HAS_IS_REMOTE)  # Link.flags (field 6, fixed32)
 _MAX_CACHED = 4096
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _varint(n: int) -> bytes:
@@ -62,7 +63,9 @@ def _field(tag: bytes, data: bytes) -> bytes:
 
 
 def _text(tag: bytes, text: str) -> bytes:
-    return _field(tag, text.encode("utf-8", "surrogatepass"))
+    # A lone surrogate (no UTF-8 for it) becomes "?": a collector refuses a whole request with
+    # a string that is not UTF-8.
+    return _field(tag, text.encode("utf-8", "replace"))
 
 
 def any_value(value: Any) -> bytes:
@@ -72,6 +75,8 @@ def any_value(value: Any) -> bytes:
     if isinstance(value, bool):  # before int: a bool is an int
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise TypeError(f"an attribute's int must fit in 64 bits, not {value}")
         return b"\x18" + _varint(value if value >= 0 else value + (1 << 64))
     if isinstance(value, float):
         return b"\x21" + _DOUBLE(value)

@@ -117,9 +117,10 @@ def test_a_value_otlp_cannot_carry_is_left_out_and_logged(
 ) -> None:
     encoder = SpanEncoder({}, "s", "1")
     with caplog.at_level(logging.ERROR, logger="scriptserve.tracing"):
-        encoded = encoder._attributes(b"\x4a", {"bad": object(), "good": "yes"})
+        encoded = encoder._attributes(b"\x4a", {"bad": object(), "good": "yes", "huge": 2**63})
     assert encoded == encoder._attributes(b"\x4a", {"good": "yes"})
     assert "span attribute bad is left out" in caplog.text
+    assert "span attribute huge is left out: an attribute's int must fit in 64 bits" in caplog.text
     with pytest.raises(TypeError, match="cannot be a object"):
         any_value(object())
 
@@ -155,3 +156,15 @@ def test_the_exporter_sends_a_records_spans(protocol: str, encode: bool) -> None
     assert spans["inference"].parent_id == spans["batch"].span_id
     assert spans["batch"].links[0][2] == {"scriptserve.request.id": "other", "n": 3}
     assert {s.trace_state for s in spans.values()} == {"vendor=a1"}
+
+
+def test_text_that_is_not_utf8_is_replaced_not_sent_broken() -> None:
+    """A lone surrogate would make the request's bytes invalid UTF-8, which a collector refuses
+    whole: it is sent as "?"."""
+    encoder = SpanEncoder({}, "s", "1")
+    trace_id = secrets.randbits(128)
+    broken = (*record(trace_id)[:8], {"path": "/a\udc80b"}, "failed \udc80", [])
+    request = ExportTraceServiceRequest.FromString(encoder.request(encoder.spans(broken)))
+    (span,) = request.resource_spans[0].scope_spans[0].spans
+    assert span.attributes[0].value.string_value == "/a?b"
+    assert span.status.message == "failed ?"
