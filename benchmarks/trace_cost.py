@@ -1,10 +1,11 @@
 """What one sampled request's trace costs the event loop, in-process: the server span opened, the
 model and one queued job noted, a one-request batch recorded, the answer noted, the
 `traceparent` made and the span ended (server/observability/tracing.py), the way the data plane
-and the HTTP cycle call them. Spans go over OTLP/gRPC to `benchmarks/otlp_sink.py` in a process
-of its own.
+and the HTTP cycle call them. Spans go over OTLP/gRPC (or OTLP/HTTP, the server's default, with
+`--protocol http/protobuf`) to `benchmarks/otlp_sink.py` in a process of its own.
 
     python -m benchmarks.trace_cost [--before <python of another tree>] [--rounds 10]
+        [--protocol grpc|http/protobuf]
 
 Prints, for this tree (and the other, run as `python -m benchmarks.trace_cost --child` with
 that python): the median of the rounds' microseconds of the calling thread per request (what
@@ -35,14 +36,15 @@ from benchmarks.zoo import cpu_line
 PER_ROUND = 500
 
 
-def measure(endpoint: str, rounds: int) -> dict[str, Any]:
+def measure(endpoint: str, rounds: int, protocol: str = "grpc") -> dict[str, Any]:
     """This interpreter's tree, measured in this process."""
     from scriptserve.handlers.base import InferenceRequest
     from scriptserve.server.observability.tracing import Tracing
     from scriptserve.server.workers.batching import Job
     from scriptserve.server.workers.delivery import traced
 
-    tracing = Tracing(True, endpoint=endpoint, protocol="grpc", sampling_ratio=1.0)
+    otlp = "grpc" if protocol == "grpc" else "http/protobuf"
+    tracing = Tracing(True, endpoint=endpoint, protocol=otlp, sampling_ratio=1.0)
     loop = asyncio.new_event_loop()
     route = "/v2/models/{model_name}/infer"
 
@@ -112,19 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--before", help="python of another tree, measured the same way")
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc")
     p.add_argument("--child", help=argparse.SUPPRESS)  # an endpoint: measure, print JSON
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.rounds)))
+        print(json.dumps(measure(args.child, args.rounds, args.protocol)))
         return 0
     load_before = os.getloadavg()
     pythons = {"this tree": sys.executable}
     if args.before:
         pythons["before"] = args.before
     found: dict[str, Any] = {}
-    with otlp_sink.running(free_port()) as sink:
+    with otlp_sink.running(free_port(), args.protocol) as sink:
         for label, python in pythons.items():
             command = [python, "-m", "benchmarks.trace_cost", "--child", sink.endpoint]
+            command += ["--protocol", args.protocol]
             out = subprocess.run(
                 [*command, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True
             )
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "trace_cost",
             "per_round": PER_ROUND,
             "rounds": args.rounds,
+            "protocol": args.protocol,
             "before": args.before,
             "results": found,
             "otlp_receiver": received,
