@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,8 +47,9 @@ class CountingService(trace_service_pb2_grpc.TraceServiceServicer):  # type: ign
             self.exports += 1
 
 
-def http_server(service: CountingService, port: int) -> ThreadingHTTPServer:
-    """OTLP/HTTP with protobuf bodies on `port`, counted by `service`."""
+def http_server(take: Callable[[Any], None], port: int = 0) -> ThreadingHTTPServer:
+    """OTLP/HTTP with protobuf bodies (POST /v1/traces) on `port` (0: any free one): `take` is
+    given each export's ExportTraceServiceRequest. Not started: serve_forever it."""
     reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
 
     class Handler(BaseHTTPRequestHandler):
@@ -59,7 +60,7 @@ def http_server(service: CountingService, port: int) -> ThreadingHTTPServer:
             if self.path != "/v1/traces":
                 self.send_error(404)
                 return
-            service.count(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+            take(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(reply)))
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if args.http:
-        http = http_server(service, args.port)
+        http = http_server(service.count, args.port)
         threading.Thread(target=http.serve_forever, daemon=True).start()
         print(f"listening on 127.0.0.1:{args.port} (OTLP/HTTP)", flush=True)
         stop.wait()
