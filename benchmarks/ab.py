@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from benchmarks import models, report
 from benchmarks.loadgen import run_wrk, wrk_path
 from benchmarks.models import Route, routes
@@ -51,6 +53,18 @@ def server(
     return ServerProcess(label, argv, port, f"/v2/models/{model}/ready", env)
 
 
+def thread_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of process `pid`'s main thread (a server's event loop) and of its
+    other threads together (workers, the access log's writer, ...)."""
+    loop = others = 0.0
+    for thread in psutil.Process(pid).threads():
+        if thread.id == pid:
+            loop += thread.user_time + thread.system_time
+        else:
+            others += thread.user_time + thread.system_time
+    return loop, others
+
+
 def alternate(
     servers: dict[str, ServerProcess],
     rounds: int,
@@ -59,13 +73,15 @@ def alternate(
     settle: Callable[[], None] | None = None,
     model: str = "mlp",
     route: Route | None = None,
+    cpu: dict[str, list[tuple[float, float]]] | None = None,
 ) -> dict[str, list[float]]:
     """Load each server in turn with wrk (32 connections on scenario A's request, or on
     `route`) for `rounds` rounds after a warm-up; each one's req/s, round by round. Each round
     starts one server later than the one before, so that every server takes every place in the
     order as often (the first place of a round is not the last's). `settle` runs after each
     load, before the next server's: what one server leaves to do after its round (e.g.
-    exporting spans) must not be charged to the next."""
+    exporting spans) must not be charged to the next. Given `cpu`, each load's CPU per request
+    in microseconds, (event loop's thread, the other threads), is appended to `cpu[label]`."""
     if route is None:
         json_post = {"Content-Type": "application/json"}
         route = Route("torchserve", f"/predictions/{model}", body, json_post)
@@ -78,8 +94,16 @@ def alternate(
     for round_ in range(rounds):
         shift = round_ % len(order)
         for label, s in order[shift:] + order[:shift]:
+            pid = s.proc.pid if cpu is not None and s.proc is not None else None
+            loop_s, others_s = thread_seconds(pid) if pid is not None else (0.0, 0.0)
             load = run_wrk(s.url + route.path, 32, seconds, 2, route.body, route.headers)
             runs[label].append(load.rps)
+            if cpu is not None and pid is not None and load.requests:
+                loop_after, others_after = thread_seconds(pid)
+                us = 1e6 / load.requests
+                cpu.setdefault(label, []).append(
+                    ((loop_after - loop_s) * us, (others_after - others_s) * us)
+                )
             if settle is not None:
                 settle()
         line = ", ".join(f"{label} {values[-1]:.0f}" for label, values in runs.items())

@@ -13,7 +13,9 @@ Spans go over OTLP/gRPC to benchmarks/otlp_sink.py, a receiver in its own proces
 machine that decodes and counts them (a collector elsewhere would take that CPU off the
 server's machine). After each load the benchmark waits for the servers and the receiver to go
 quiet, so spans still being exported from one server's round are not charged to the next.
-Prints each round, the medians and the per-round ratios to both off, and writes them to
+Prints each round, the medians and the per-round ratios to both off, and each server's CPU per
+request (medians over its loads) on the event loop's thread and on its other threads (workers,
+the access log's writer): where a switch's cost lands. Writes them all to
 benchmarks/results/switches-<date>.json.
 """
 
@@ -142,9 +144,15 @@ def main(argv: list[str] | None = None) -> int:
             for s in servers.values():
                 s.__enter__()
             pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
+            cpu: dict[str, list[tuple[float, float]]] = {}
             try:
                 runs = alternate(
-                    servers, args.rounds, args.seconds, model.body, settle=lambda: quiet(pids)
+                    servers,
+                    args.rounds,
+                    args.seconds,
+                    model.body,
+                    settle=lambda: quiet(pids),
+                    cpu=cpu,
                 )
             finally:
                 for s in servers.values():
@@ -182,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{label} / the other tree's per round: {' '.join(f'{r:.3f}' for r in values)} "
             f"(median {statistics.median(values):.3f})"
         )
+    cpu_medians = {
+        label: [statistics.median(run[i] for run in values) for i in (0, 1)]
+        for label, values in cpu.items()
+    }
+    print("CPU per request, medians, us: event loop's thread + the other threads")
+    for label, (loop_us, others_us) in cpu_medians.items():
+        print(f"  {label:28s} {loop_us:7.1f} + {others_us:7.1f}")
     print(f"OTLP receiver: {received}")
     host = {
         "cpus": os.cpu_count(),
@@ -203,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         "medians": medians,
         "ratios_to_both_off": ratios,
         "control_off_again_to_off": control,
+        "cpu_us_per_request": cpu,
+        "cpu_us_per_request_medians": cpu_medians,
         "ratios_to_before": against_before,
         "otlp_receiver": received,
     }
