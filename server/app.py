@@ -30,10 +30,11 @@ from scriptserve.server.models.management import Management
 from scriptserve.server.models.object_store import sync_store
 from scriptserve.server.models.registry import ModelRegistry, find_archives, find_pipelines
 from scriptserve.server.models.repository import ModelRepository
+from scriptserve.server.models.workflows import Workflows
 from scriptserve.server.observability.access_log import AccessLog
 from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.observability.tracing import Tracing, TracingUnavailable
-from scriptserve.server.rest.apps import http_apps
+from scriptserve.server.rest.apps import HttpApp, http_apps
 from scriptserve.server.rest.connection_limits import ConnectionLimits, HttpConnections
 from scriptserve.server.security import resolve_keys
 from scriptserve.server.settings import ServerSettings, parse_address
@@ -192,6 +193,23 @@ def start_tracing(settings: ServerSettings) -> Tracing:
         raise StartupError(str(exc)) from None
 
 
+def http_server(served: HttpApp, connections: HttpConnections) -> _Server:
+    """The uvicorn server of one HTTP app, its connections counted in `connections`."""
+    config = uvicorn.Config(
+        served.app,
+        http=connections.protocol_class(served.protocol_routes),
+        ws="none",
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        proxy_headers=False,  # installed by `rest.apps.http_apps` where it is needed
+        # `drain` has waited for the connections already: this is only for the last writes.
+        timeout_graceful_shutdown=1,
+        backlog=2048,
+    )
+    return _Server(config)
+
+
 async def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     await prepare_model_store(settings)  # before any port is bound
@@ -213,26 +231,15 @@ async def serve(settings: ServerSettings) -> int:
     dataplane = DataPlane(registry, metrics, settings)
     management = Management(registry, dataplane.inflight_of, settings)
     repository = ModelRepository(management)
+    workflows = Workflows(registry, management, settings)
     access = AccessLog(settings.access_log, settings.access_log_format)
     tracing = start_tracing(settings)
-    apps = http_apps(settings, dataplane, management, repository, keys, metrics, access, tracing)
+    apps = http_apps(
+        settings, dataplane, management, repository, workflows, keys, metrics, access, tracing
+    )
     sockets = [bind(served.address) for served in apps]
     connections = HttpConnections(ConnectionLimits.from_settings(settings))
-    servers = []
-    for served in apps:
-        config = uvicorn.Config(
-            served.app,
-            http=connections.protocol_class(served.protocol_routes),
-            ws="none",
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            proxy_headers=False,  # installed by `rest.apps.http_apps` where it is needed
-            # `drain` has waited for the connections already: this is only for the last writes.
-            timeout_graceful_shutdown=1,
-            backlog=2048,
-        )
-        servers.append(_Server(config))
+    servers = [http_server(served, connections) for served in apps]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -271,6 +278,7 @@ async def serve(settings: ServerSettings) -> int:
         s.should_exit = True
     await asyncio.gather(*tasks, grpc_servers.stop(1.0), return_exceptions=True)
     await dataplane.close()
+    workflows.close()
     for sock in sockets:
         sock.close()
     access.close()

@@ -233,7 +233,9 @@ class Workflows:
         self.settings = settings
         self.store = settings.workflow_store or settings.model_store
         self._workflows: dict[str, Workflow] = {}
-        self._work = Path(tempfile.mkdtemp(prefix="scriptserve-workflows-"))
+        self._work: Path | None = None
+        """Where registered workflows are unpacked: made at the first registration, removed
+        at `close` (the server's stop)."""
 
     def get(self, name: str) -> Workflow:
         found = self._workflows.get(name)
@@ -258,6 +260,8 @@ class Workflows:
         source = self.store / url
         if Path(url).name != url or not source.is_file():
             raise ModelNotFound(f"workflow archive {url!r} is not in the workflow store")
+        if self._work is None:
+            self._work = Path(tempfile.mkdtemp(prefix="scriptserve-workflows-"))
         directory = self._work / f"{source.stem}-{len(self._workflows)}"
         if directory.exists():
             shutil.rmtree(directory)
@@ -345,4 +349,7 @@ class Workflows:
         workflow.registered.clear()
 
     def close(self) -> None:
-        shutil.rmtree(self._work, ignore_errors=True)
+        """Remove the unpacked workflows (the server stops)."""
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None

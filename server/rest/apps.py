@@ -56,6 +56,7 @@ def http_apps(
     dataplane: DataPlane,
     management: Management,
     repository: ModelRepository,
+    workflows: Workflows,
     keys: AccessKeys,
     metrics: ServerMetrics,
     access: AccessLog,
@@ -71,7 +72,6 @@ def http_apps(
     add_kserve_v1_routes(inference, dataplane)
     add_openai_routes(inference, dataplane)
     add_repository_routes(inference, repository)
-    workflows = Workflows(management.registry, management, settings)
     add_workflow_prediction_route(inference, dataplane, workflows, settings)
     management_app = create_management_app(management, settings)
     add_workflow_management_routes(management_app, workflows)

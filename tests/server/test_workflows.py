@@ -324,3 +324,26 @@ def test_the_clients_deadline_covers_the_whole_workflow(server: ServerProcess) -
     )
     assert late.status_code == 504, late.text
     assert "workflow 'sequential'" in late.text
+
+
+def test_workflows_are_unpacked_only_when_registered_and_removed_at_stop(
+    store: Path, tmp_path: Path
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = ServerProcess(store, "--enable-model-api", "--no-snapshot", env={"TMPDIR": str(scratch)})
+    proc.start()
+    try:
+        assert not list(scratch.glob("scriptserve-workflows-*"))  # none registered, none made
+        registered = httpx.post(
+            f"{proc.mgmt}/workflows",
+            params={"url": "sequential.war"},
+            headers=proc.mgmt_headers,
+            timeout=120,
+        )
+        assert registered.status_code == 200, registered.text
+        (work,) = scratch.glob("scriptserve-workflows-*")
+        assert (work / "sequential-0" / "WAR-INF" / "MANIFEST.json").is_file()
+    finally:
+        assert proc.terminate() == 0, proc.output()
+    assert not work.exists()
