@@ -52,9 +52,13 @@ def measure(endpoint: str, rounds: int, protocol: str = "grpc") -> dict[str, Any
         trace = tracing.start(
             "POST", {}, {"http.request.method": "POST", "url.path": "/v2/models/m/infer"}
         )
-        trace.note_model("m", "1")
         job = Job(InferenceRequest(), loop.create_future(), time.monotonic() + 5)
-        trace.note_queued(job, "m", "1")
+        if hasattr(trace, "note_queued"):  # a tree that noted the model and the job apart
+            trace.note_model("m", "1")
+            trace.note_queued(job, "m", "1")
+        else:
+            job.span_context = trace.context
+            trace.note_model("m", "1", jobs=(job,))
         job.dequeued = time.monotonic()
         record = traced([job], 1, job.dequeued)
         assert record is not None

@@ -144,13 +144,12 @@ class Call:
             self.labels = (mv.name, mv.version)
             self.job, self.timer = self.queue(mv, request, streaming)
         except ServingError as exc:
+            self.note(version)
             self.count(exc.status)
             raise
+        self.note(version, (self.job,))
         plane._inflight.arrive(*self.labels)
-        future = self.job.future
-        if self.trace is not None:
-            self.trace.answered_when(future)
-        future.add_done_callback(self.end)
+        self.job.future.add_done_callback(self.end)
         return self.job
 
     def run_pipeline(
@@ -167,7 +166,7 @@ class Call:
                     f"pipeline {pipeline.name!r} has no version {version!r} (versions: "
                     f"{PIPELINE_VERSION})"
                 )
-            self.note_model(pipeline.name, PIPELINE_VERSION, pin=True)
+            self.note(PIPELINE_VERSION, pin=True)
             if plane.refusing:
                 raise ModelNotReady("the server is shutting down; retry on another replica")
             given = request if isinstance(request, InferenceRequest) else _decoded(request)
@@ -181,17 +180,12 @@ class Call:
         return task
 
     def resolve(self, version: str | None, streaming: bool = False) -> ModelVersion:
-        """The model version that serves the request, noted in its access line and span; 404
-        when unknown, 503 when the server refuses new requests or the version cannot serve."""
+        """The model version that serves the request; 404 when unknown, 503 when the server
+        refuses new requests or the version cannot serve."""
         plane, name = self.plane, self.name
-        try:
-            if plane.refusing:
-                raise ModelNotReady("the server is shutting down; retry on another replica")
-            mv = plane.registry.get(name, version)
-        except ServingError:
-            self.note_model(name, version)  # the line names what was asked for
-            raise
-        self.note_model(name, mv.version)
+        if plane.refusing:
+            raise ModelNotReady("the server is shutting down; retry on another replica")
+        mv = plane.registry.get(name, version)
         if mv.state is ModelState.FAILED:
             raise ModelNotReady(f"model {name!r} failed: {mv.reason}")
         residency = mv.residency
@@ -236,15 +230,25 @@ class Call:
                 model=(mv.name, mv.version),
                 streaming=mv.streams,
             )
-        if self.trace is not None:
-            self.trace.note_queued(job, mv.name, mv.version)  # before a worker can take it
+        trace = self.trace
+        if trace is not None and trace.recording:
+            job.span_context = trace.context  # before a worker takes it: its batch links to it
         mv.batcher.put(job)
         return job, loop.call_later(budget, expire, job, mv.batcher, budget)
 
-    def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
-        """The request's model (and version, once known) in its access line and span; `pin`
-        sets it for good (a pipeline's request: its steps' models do not replace it)."""
-        _note_model(self.record, self.trace, name, version, pin)
+    def note(self, asked: str | None, jobs: Sequence[Job] = (), pin: bool = False) -> None:
+        """What the access line and the span say of the request, once it is queued or refused:
+        the model version that serves it (what was `asked` for, when it was refused before one
+        was resolved) and the jobs it queued; `pin` names it for good (a pipeline's request:
+        its steps' models do not replace it)."""
+        record, trace = self.record, self.trace
+        if record is None and trace is None:
+            return
+        name, version = self.labels or (self.name, asked)
+        if record is not None:
+            record.note_model(name, version, pin)
+        if trace is not None:
+            trace.note_model(name, version, pin, jobs)
 
     def end(self, future: asyncio.Future[Served]) -> None:
         """The request's future is done: its answer, its error, or cancelled (the client went
@@ -257,6 +261,9 @@ class Call:
             if future.cancelled():
                 mv.batcher.cancel(self.job)  # the client went away: free its slot if queued
         self.plane._inflight.depart(*labels)
+        trace = self.trace
+        if trace is not None and trace.recording:
+            trace.note_answered()
         if future.cancelled():
             status = cancelled_status(self.started, self.timeout_s)
         else:
@@ -378,6 +385,7 @@ class DataPlane:
         call = Call(self, name, protocol, timeout_s)
         status = 500
         queued: list[tuple[Job, asyncio.TimerHandle]] = []
+        noted = False
         try:
             mv = call.mv = call.resolve(version)
             call.labels = (mv.name, mv.version)
@@ -395,6 +403,8 @@ class DataPlane:
                 )
             for request in requests:
                 queued.append(call.queue(mv, request))
+            call.note(version, [job for job, _ in queued])
+            noted = True
             self._inflight.arrive(*call.labels)
             try:
                 futures = [job.future for job, _ in queued]
@@ -413,6 +423,8 @@ class DataPlane:
             return [job.future.result() for job, _ in queued]
         except ServingError as exc:
             status = exc.status
+            if not noted:
+                call.note(version)
             raise
         except asyncio.CancelledError:
             status = cancelled_status(call.started, timeout_s)
@@ -455,20 +467,11 @@ def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
 def pin_request(name: str) -> None:
     """Name the request running in this context `name` for good in its access line and span (a
     workflow's: its steps' models do not replace it)."""
-    _note_model(access_log.current(), tracing.current(), name, None, pin=True)
-
-
-def _note_model(
-    record: access_log.AccessRecord | None,
-    trace: tracing.RequestTrace | None,
-    name: str,
-    version: str | None,
-    pin: bool,
-) -> None:
+    record, trace = access_log.current(), tracing.current()
     if record is not None:
-        record.note_model(name, version, pin)
+        record.note_model(name, None, pin=True)
     if trace is not None:
-        trace.note_model(name, version, pin)
+        trace.note_model(name, None, pin=True)
 
 
 def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:

@@ -14,7 +14,7 @@ queued:
     encode      from the answer to the response (writing the wire format)
 
 The transports open a `RequestTrace` per request (`opened`) and the data plane fills in what it
-decides (`note_model`, `note_queued`, `note_answered`) on the trace it finds through a context
+decides (`note_model`, `note_answered`) on the trace it finds through a context
 variable (`current`), as the access log does. The worker pool leaves a `BatchRecord` on each
 job it runs. When a sampled request ends, its span and children are made from the times
 recorded on the way, as plain data (`span_export.SpanRecord`), and queued for the exporter
@@ -32,7 +32,6 @@ certificates, timeouts). The OpenTelemetry SDK and exporters are the `tracing` e
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -128,39 +127,33 @@ class RequestTrace:
         """(trace id, span id, flags): what a batch's span links to."""
         return self.trace_id, self.span_id, self.flags
 
-    def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
-        """The data plane resolved the request's model (and version, once known); `pin` sets it
-        for good (a pipeline's request: its span names the pipeline, whatever its steps note;
-        the steps' jobs become its children all the same)."""
-        if self.pinned:
+    def note_model(
+        self, name: str, version: str | None, pin: bool = False, jobs: Sequence[Job] = ()
+    ) -> None:
+        """The data plane resolved the request's model (and version, once known) and queued
+        `jobs` for it, whose batches link to this span (the data plane set their
+        `span_context`); `pin` sets the model for good (a pipeline's request: its span names
+        the pipeline, whatever its steps note; the steps' jobs become its children all the
+        same). A request that is not sampled records nothing."""
+        if not self.recording:
+            self.pinned = self.pinned or pin
             return
-        self.pinned = pin
-        if self.recording:
-            self.attributes["scriptserve.model.name"] = name
-            if version is not None:
-                self.attributes["scriptserve.model.version"] = version
-
-    def note_queued(self, job: Job, model: str, version: str) -> None:
-        """The data plane queued `job` for this request, for `model` `version`: its batch will
-        link to this span. A request that is not sampled leaves its jobs alone, so its batch
-        records nothing."""
-        if self.recording:
+        for job in jobs:
             self.queued += 1
             if len(self.jobs) < MAX_TRACED_JOBS:
                 self.jobs.append(job)
-                self.job_models.append((model, version))
-                job.span_context = self.context
+                self.job_models.append((name, version or ""))
+        if self.pinned:
+            return
+        self.pinned = pin
+        self.attributes["scriptserve.model.name"] = name
+        if version is not None:
+            self.attributes["scriptserve.model.version"] = version
 
     def note_answered(self, _future: object = None) -> None:
         """The data plane has the answer; what follows is encoding it."""
         if not self.answered:
             self.answered = time.monotonic()
-
-    def answered_when(self, future: asyncio.Future[Any]) -> None:
-        """The answer is `future`'s outcome (a stream's end, or a request answered by
-        callback)."""
-        if self.recording:
-            future.add_done_callback(self.note_answered)
 
 
 _current: ContextVar[RequestTrace | None] = ContextVar("scriptserve_trace", default=None)
