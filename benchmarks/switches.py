@@ -4,10 +4,13 @@ ratio of 0.01 and of 0 (and, with `--all`, every trace sampled; given `--before`
 with both off and with the plain access log on, or with each switch of `--only`), each loaded
 in turn by wrk round after round, as benchmarks/ab.py does. Two servers have both off: each
 round's ratios are taken to the mean of the two, and the ratio of one to the other (the
-control) is what the machine's noise alone makes of a ratio in that run.
+control) is what the machine's noise alone makes of a ratio in that run. With `--servers N`
+each configuration is N servers, a round's figure the mean of theirs: servers of one tree with
+both off have differed by 9 % in CPU per request over a whole run, which one server per
+configuration charges to its switch.
 
     python -m benchmarks.switches [--before /tmp/before-venv/bin/python] [--rounds 6] [--all]
-        [--only tracing-0.01,tracing-0]
+        [--only tracing-0.01,tracing-0] [--servers 2]
 
 Spans go over OTLP/gRPC to benchmarks/otlp_sink.py, a receiver in its own process on this
 machine that decodes and counts them (a collector elsewhere would take that CPU off the
@@ -70,6 +73,31 @@ def _cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def copies(label: str, count: int) -> list[str]:
+    """The names of a configuration's `count` servers: `label`, then `label#2`, ..."""
+    return [label, *(f"{label}#{i}" for i in range(2, count + 1))]
+
+
+def merged(
+    runs: dict[str, list[float]], cpu: dict[str, list[tuple[float, float]]], count: int
+) -> tuple[dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
+    """Each configuration's `count` servers as one: per round, the mean of their req/s; their
+    loads' CPU per request together."""
+    labels = [label for label in runs if "#" not in label]
+    merged_runs = {
+        label: [
+            statistics.fmean(values)
+            for values in zip(*(runs[copy] for copy in copies(label, count)), strict=True)
+        ]
+        for label in labels
+    }
+    merged_cpu = {
+        label: [load for copy in copies(label, count) for load in cpu.get(copy, [])]
+        for label in labels
+    }
+    return merged_runs, merged_cpu
+
+
 def traced(endpoint: str, ratio: float) -> dict[str, str]:
     return {
         "SCRIPTSERVE_TRACING": "true",
@@ -95,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated switches to serve beside the two with both off (for example "
         "tracing-0.01,tracing-0): fewer servers, more rounds in the same time",
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="servers per configuration, each loaded in turn: a round's figure for a "
+        "configuration is the mean of its servers' (one server's own speed, which differs from "
+        "process to process, then weighs less in a ratio)",
     )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=8.0)
@@ -131,21 +167,22 @@ def main(argv: list[str] | None = None) -> int:
                     p.error(f"--only: no switch {', '.join(sorted(unknown))}")
                 kept = {"off", "off-again", *compared}
                 configurations = {k: v for k, v in configurations.items() if k in kept}
-            servers: dict[str, ServerProcess] = {
-                label: server(label, sys.executable, store, env)
-                for label, env in configurations.items()
-            }
+            served = [(label, sys.executable, env) for label, env in configurations.items()]
             if args.before:
-                servers["before"] = server("before", args.before, store, {})
-                for label in compared:
-                    servers[f"before-{label}"] = server(
-                        f"before-{label}", args.before, store, configurations[label]
-                    )
-            for s in servers.values():
-                s.__enter__()
-            pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
+                served.append(("before", args.before, {}))
+                served += [
+                    (f"before-{label}", args.before, configurations[label]) for label in compared
+                ]
+            servers: dict[str, ServerProcess] = {}
             cpu: dict[str, list[tuple[float, float]]] = {}
             try:
+                for label, python, env in served:
+                    for copy in copies(label, args.servers):
+                        # Started as soon as its ports are chosen: chosen all first, a port
+                        # let go of by one choice can be handed to the next.
+                        servers[copy] = server(copy, python, store, env)
+                        servers[copy].__enter__()
+                pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
                 runs = alternate(
                     servers,
                     args.rounds,
@@ -158,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in servers.values():
                     s.stop()
     received = sink.received
+    if args.servers > 1:
+        runs, cpu = merged(runs, cpu, args.servers)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     both_off = [(a + b) / 2 for a, b in zip(runs["off"], runs["off-again"], strict=True)]
     ratios = {
@@ -213,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": started.isoformat(timespec="seconds"),
         "before": args.before,
         "seconds": args.seconds,
+        "servers_per_configuration": args.servers,
         "host": host,
         "runs": runs,
         "medians": medians,
