@@ -343,8 +343,8 @@ class OipBody:
     the encoder of its answer, which needs what the request asked for.
 
         wire = OipBody(body, headers.get(HEADER_LENGTH), headers)
-        served = await dataplane.submit(name, None, wire.decode, protocol="rest")
-        payload, length = wire.encode(served.model_name, served.model_version, served.outputs)
+        served = await dataplane.submit(name, None, wire.decode, protocol="rest", encode=wire.keep)
+        payload, length = wire.answer  # written by the worker that answered it
     """
 
     def __init__(self, body: bytes, header_length: str | None, headers: Mapping[str, str]) -> None:
@@ -352,6 +352,8 @@ class OipBody:
         self._header_length = header_length
         self._headers = headers
         self._decoded: OipRequest | None = None
+        self.answer: tuple[bytes, int | None] | None = None
+        """What `keep` wrote: the answer's body, and its JSON header's length when binary."""
         self._read: tuple[_Envelope, np.ndarray] | None = None
         """Its envelope and numbers, when `read_together` read them with a batch's others."""
 
@@ -389,3 +391,9 @@ class OipBody:
         if self._decoded is None:
             raise RuntimeError("encode() before decode()")
         return encode_response(model_name, model_version, self._decoded, outputs)
+
+    def keep(
+        self, model_name: str, model_version: str, outputs: list[tuple[str, np.ndarray]]
+    ) -> None:
+        """Encode the answer and keep it in `answer` (on the thread that made the answer)."""
+        self.answer = self.encode(model_name, model_version, outputs)

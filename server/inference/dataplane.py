@@ -13,6 +13,7 @@ answer: the worker that ran it resolves it with the `Served` answer or the Servi
 ends it, so a transport awaits it or adds its reply as a callback, and cancels it to withdraw:
 
     future = dataplane.submit("mnist", None, decode, protocol="rest")  # one answer
+    future = dataplane.submit("mnist", None, wire.decode, protocol="rest", encode=wire.keep)
     served = await dataplane.submit("mnist", None, decode, protocol="grpc")  # the same, awaited
     stream = dataplane.stream("mnist", None, request, protocol="rest")  # in parts
     answers = await dataplane.infer_many("mnist", None, decode, protocol="rest")  # KServe v1
@@ -35,7 +36,13 @@ from scriptserve.server.errors import (
     ServingError,
     error_for_status,
 )
-from scriptserve.server.inference.decoding import Admitted, Request, Served, decode_checked
+from scriptserve.server.inference.decoding import (
+    Admitted,
+    Encode,
+    Request,
+    Served,
+    decode_checked,
+)
 from scriptserve.server.inference.pipeline_run import run_pipeline
 from scriptserve.server.models.description import Descriptions
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
@@ -134,15 +141,22 @@ class Call:
         self.trace = tracing.current()
         """Its span, while tracing is on."""
 
-    def admit(self, version: str | None, request: Request, streaming: bool = False) -> Job:
+    def admit(
+        self,
+        version: str | None,
+        request: Request,
+        streaming: bool = False,
+        encode: Encode | None = None,
+    ) -> Job:
         """Resolve the model version and queue the request with its deadline (with a
-        PartStream when `streaming`); counted in flight until its future is done. A refusal
-        raises the ServingError that answers it, counted."""
+        PartStream when `streaming`; its answer written by `encode` on the worker's thread when
+        given); counted in flight until its future is done. A refusal raises the ServingError
+        that answers it, counted."""
         plane = self.plane
         try:
             mv = self.mv = self.resolve(version, streaming)
             self.labels = (mv.name, mv.version)
-            self.job, self.timer = self.queue(mv, request, streaming)
+            self.job, self.timer = self.queue(mv, request, streaming, encode)
         except ServingError as exc:
             self.note(version)
             self.count(exc.status)
@@ -153,11 +167,12 @@ class Call:
         return self.job
 
     def run_pipeline(
-        self, pipeline: Pipeline, version: str | None, request: Request
+        self, pipeline: Pipeline, version: str | None, request: Request, encode: Encode | None
     ) -> asyncio.Future[Served]:
         """A pipeline's request: its steps run as a task (pipeline_run.py), whose end is the
-        request's; counted in flight and in the metrics under the pipeline's name. A refusal
-        raises the ServingError that answers it, counted."""
+        request's (its answer written by `encode` there, when given); counted in flight and in
+        the metrics under the pipeline's name. A refusal raises the ServingError that answers
+        it, counted."""
         plane = self.plane
         self.labels = (pipeline.name, PIPELINE_VERSION)
         try:
@@ -173,7 +188,7 @@ class Call:
         except ServingError as exc:
             self.count(exc.status)
             raise
-        run = run_pipeline(plane.submit, pipeline, given, self.timeout_s, self.protocol)
+        run = run_pipeline(plane.submit, pipeline, given, self.timeout_s, self.protocol, encode)
         task = asyncio.ensure_future(run)
         plane._inflight.arrive(*self.labels)
         task.add_done_callback(self.end)
@@ -206,7 +221,11 @@ class Call:
         return mv
 
     def queue(
-        self, mv: ModelVersion, request: Request, stream: bool = False
+        self,
+        mv: ModelVersion,
+        request: Request,
+        stream: bool = False,
+        encode: Encode | None = None,
     ) -> tuple[Job, asyncio.TimerHandle]:
         """Queue the request with its deadline (with a PartStream when the client takes its
         answer in parts), and the timer that answers 504 at it. A request given as the function
@@ -218,7 +237,7 @@ class Call:
                 raise DeadlineExceeded("the request's deadline passed before it was queued")
             budget = min(budget, self.timeout_s)  # a client may shorten it, never lengthen
         loop = asyncio.get_running_loop()
-        admitted = Admitted(mv, request, self.record)  # decoded, checked, answered by its worker
+        admitted = Admitted(mv, request, self.record, encode)  # decoded and answered by its worker
         finish = None if stream else admitted.served  # a stream's PartStream makes each part's
         deadline = time.monotonic() + budget
         job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, finish)
@@ -339,16 +358,18 @@ class DataPlane:
         *,
         protocol: str,
         timeout_s: float | None = None,
+        encode: Encode | None = None,
     ) -> asyncio.Future[Served]:
         """Run one request, given as it is or as the function that decodes it (called once the
-        model is known to serve). The future it returns ends with the answer or the
-        ServingError that ends the request; cancelling it withdraws the request. Raises
-        ServingError when the request cannot be queued."""
+        model is known to serve; `encode`, when given, writes its tensor answer in the
+        transport's format before the future ends, on the worker's thread). The future it
+        returns ends with the answer or the ServingError that ends the request; cancelling it
+        withdraws the request. Raises ServingError when the request cannot be queued."""
         call = Call(self, name, protocol, timeout_s)
         pipeline = self.registry.pipelines.get(name)
         if pipeline is not None:
-            return call.run_pipeline(pipeline, version, request)
-        return call.admit(version, request).future
+            return call.run_pipeline(pipeline, version, request, encode)
+        return call.admit(version, request, encode=encode).future
 
     def stream(
         self,

@@ -41,22 +41,34 @@ class Served:
 
 Request = InferenceRequest | Callable[[], InferenceRequest]
 """A request, or the function that decodes it from the wire (it raises InvalidInput)."""
+Encode = Callable[[str, str, list[tuple[str, np.ndarray]]], object]
+"""What writes a tensor answer in the transport's wire format, called with the answering model's
+name and version and the selected outputs; the transport keeps what it makes (see `Admitted`)."""
 T = TypeVar("T")
 
 
 class Admitted:
     """A queued request as its worker takes it (the job's `decode`): called on the worker's
     thread, it returns the request decoded, named and checked, or raises the ServingError that
-    answers it (InvalidInput, 400); `served` makes its answer."""
+    answers it (InvalidInput, 400); `served` makes its answer, and its wire format too when the
+    transport gave an `encode` (OIP over REST: the answer's bytes are written on the worker's
+    thread, as its request was read there, not on the event loop)."""
 
-    __slots__ = ("_given", "_mv", "_record", "outputs")
+    __slots__ = ("_encode", "_given", "_mv", "_record", "outputs")
 
-    def __init__(self, mv: ModelVersion, request: Request, record: AccessRecord | None) -> None:
+    def __init__(
+        self,
+        mv: ModelVersion,
+        request: Request,
+        record: AccessRecord | None,
+        encode: Encode | None = None,
+    ) -> None:
         """`record`: the request's access line, while the access log is on (it names the
         request: the client's header id, when it sent one, is the request's id)."""
         self._mv = mv
         self._given = request
         self._record = record
+        self._encode = encode
         self.outputs: list[str] | None = None
         """The outputs the decoded request asks for (what `served` selects)."""
 
@@ -78,11 +90,13 @@ class Admitted:
 
     def served(self, response: InferenceResponse) -> Served:
         """The decoded request's answer, on the worker's thread: with the outputs a tensor
-        protocol asked for, selected and ordered."""
+        protocol asked for, selected and ordered (and encoded, when the transport said how)."""
         mv, outputs = self._mv, self.outputs
         if outputs is None:
             return Served(mv.name, mv.version, response)
         selected = select_outputs(mv.name, response.outputs, outputs)
+        if self._encode is not None:
+            self._encode(mv.name, mv.version, selected)
         return Served(mv.name, mv.version, response, selected)
 
 

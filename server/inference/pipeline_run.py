@@ -15,7 +15,7 @@ import numpy as np
 
 from scriptserve.handlers.base import InferenceRequest, InferenceResponse
 from scriptserve.server.errors import DeadlineExceeded, InvalidInput, ServingError, error_for_status
-from scriptserve.server.inference.decoding import Served
+from scriptserve.server.inference.decoding import Encode, Served
 from scriptserve.server.models.pipelines import VERSION, Pipeline, Step
 
 STEP_PROTOCOL = "pipeline"
@@ -44,8 +44,10 @@ async def run_pipeline(
     request: InferenceRequest,
     timeout_s: float | None,
     protocol: str,
+    encode: Encode | None = None,
 ) -> Served:
-    """The pipeline's answer: its outputs (those `request.outputs` names, else all)."""
+    """The pipeline's answer: its outputs (those `request.outputs` names, else all), written by
+    `encode` when the transport gave one (`DataPlane.submit`)."""
     missing = [name for name in pipeline.inputs if name not in request.inputs]
     if missing:
         raise InvalidInput(
@@ -89,6 +91,8 @@ async def run_pipeline(
             f"{', '.join(pipeline.outputs)})"
         )
     outputs = [(name, tensors[name]) for name in wanted]
+    if encode is not None:
+        encode(pipeline.name, VERSION, outputs)
     return Served(pipeline.name, VERSION, InferenceResponse(outputs=dict(outputs)), outputs)
 
 

@@ -206,7 +206,12 @@ class ProtocolCycle(RequestResponseCycle):
 
     def _infer(self, wire: oip_json.OipBody, timeout_s: float | None) -> None:
         answer = self.routes.dataplane.submit(
-            self.model_name, self.version, wire.decode, protocol="rest", timeout_s=timeout_s
+            self.model_name,
+            self.version,
+            wire.decode,
+            protocol="rest",
+            timeout_s=timeout_s,
+            encode=wire.keep,
         )
         self._withdraw = answer.cancel
         answer.add_done_callback(functools.partial(self._inferred, wire))
@@ -280,14 +285,15 @@ class ProtocolCycle(RequestResponseCycle):
         self._answer(response.status, payload, content_type.encode("latin-1"), response.headers)
 
     def _inferred(self, wire: oip_json.OipBody, answer: asyncio.Future[Served]) -> None:
-        """The request's answer, or the error that ended it; nothing when it was withdrawn."""
+        """The request's answer (its bytes written by the worker, `OipBody.keep`), or the error
+        that ended it; nothing when it was withdrawn."""
         if self.response_complete or answer.cancelled():
             return
         try:
-            served = answer.result()
-            payload, header_length = wire.encode(
-                served.model_name, served.model_version, served.outputs
-            )
+            answer.result()
+            if wire.answer is None:
+                raise RuntimeError("the answer came back without its bytes")
+            payload, header_length = wire.answer
         except ServingError as exc:
             self._answer_error(exc)
             return

@@ -204,6 +204,37 @@ async def test_a_request_sent_as_its_decoder_is_decoded_by_the_worker(plane: Pla
 
 
 @pytest.mark.anyio
+async def test_the_answer_is_encoded_by_the_worker_when_the_transport_says_how(
+    plane: Plane,
+) -> None:
+    # OIP over REST gives the data plane its encoder: the worker that answered writes the
+    # answer's bytes; an encoder that fails ends its request alone with a 500, never the loop.
+    loop_thread = threading.get_ident()
+    written: list[tuple[int, str, str, list[str]]] = []
+
+    def encode(fail: bool, name: str, version: str, outputs: list[tuple[str, np.ndarray]]) -> None:
+        if fail:
+            raise ValueError("cannot write this")
+        written.append((threading.get_ident(), name, version, [n for n, _ in outputs]))
+
+    dp, partial = plane.dataplane, functools.partial
+    calls = [
+        dp.submit(
+            "tiny", "2.0", _request(["output0"]), protocol="test", encode=partial(encode, fail)
+        )
+        for fail in (False, True, False)
+    ]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert [w[1:] for w in written] == [("tiny", "2.0", ["output0"])] * 2
+    assert loop_thread not in {w[0] for w in written}
+    failed = outcomes[1]
+    assert isinstance(failed, ServingError) and failed.status == 500, failed
+    assert "answer could not be made" in failed.message
+    assert isinstance(outcomes[0], Served) and isinstance(outcomes[2], Served)
+    assert plane.requests(500, "2.0") == 1 and plane.requests(200, "2.0") == 2
+
+
+@pytest.mark.anyio
 async def test_a_stream_request_can_be_withdrawn(plane: Plane) -> None:
     dp = plane.dataplane
     mv = plane.registry.get("tiny", "1.0")
