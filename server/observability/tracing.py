@@ -310,17 +310,21 @@ class Tracing:
         """For a request without a `traceparent`: a trace that records nothing when the sampling
         ratio leaves it out, else None (open it with `start`). Always None when the sampler is
         the SDK's own (OTEL_TRACES_SAMPLER)."""
-        ids = self.left_out_root()
-        return None if ids is None else RequestTrace(*ids, 0)
-
-    def left_out_root(self) -> tuple[int, int] | None:
-        """For a request without a `traceparent`: the trace and span ids of a trace the sampling
-        ratio leaves out (nothing records it: only its `traceparent`, `left_out_traceparent`,
-        goes back), else None (open it with `start`)."""
         ratio = self._root_ratio
         if ratio is None or random.random() < ratio:
             return None
-        return random.getrandbits(128) or 1, random.getrandbits(64) or 1
+        return RequestTrace(random.getrandbits(128) or 1, random.getrandbits(64) or 1, 0)
+
+    def left_out_root(self) -> bytes | None:
+        """For a request without a `traceparent`: the `traceparent` of a trace the sampling
+        ratio leaves out (nothing records it: only this goes back to the client), else None
+        (open it with `start`). Its ids are 24 random bytes written as hex in one pass: what an
+        HTTP request the ratio leaves out costs (an all-zero id, which W3C's format forbids,
+        has odds of 2**-64 at most)."""
+        ratio = self._root_ratio
+        if ratio is None or random.random() < ratio:
+            return None
+        return b"00-%b-00" % random.randbytes(24).hex("-", -16).encode()
 
     def traceparent(self, trace: RequestTrace) -> str:
         """The W3C traceparent of the request's span, returned to the client."""
@@ -451,8 +455,3 @@ def error_for_http(status: int) -> str | None:
 
 def error_for_grpc(code: str) -> str | None:
     return code if code in GRPC_SERVER_ERRORS else None
-
-
-def left_out_traceparent(ids: tuple[int, int]) -> str:
-    """The W3C traceparent of a root the sampling ratio left out (`Tracing.left_out_root`)."""
-    return f"00-{ids[0]:032x}-{ids[1]:016x}-00"

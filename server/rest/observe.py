@@ -29,7 +29,6 @@ from scriptserve.server.observability.tracing import (
     TRACESTATE,
     Tracing,
     error_for_http,
-    left_out_traceparent,
 )
 
 _REQUEST_ID = b"x-request-id"
@@ -74,9 +73,9 @@ class Observers:
                 if name in _TRACE_HEADERS:
                     break
             else:
-                ids = self.tracing.left_out_root()
-                if ids is not None:
-                    return None, b"traceparent: 00-%032x-%016x-00\r\n" % ids  # left_out_traceparent
+                left_out = self.tracing.left_out_root()
+                if left_out is not None:
+                    return None, b"traceparent: %b\r\n" % left_out
                 return Observation(self, method, path, headers, peer, scope, root_kept=True), b""
         return Observation(self, method, path, headers, peer, scope), b""
 
@@ -131,7 +130,7 @@ class Observation:
         if tracer.enabled:
             left_out = None if trace_headers or root_kept else tracer.left_out_root()
             if left_out is not None:
-                self._traceparent = left_out_traceparent(left_out).encode()
+                self._traceparent = left_out
             else:
                 made = made or scope()
                 self.trace = tracer.start(method, trace_headers, _attributes(made, method))

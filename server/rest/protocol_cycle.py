@@ -113,10 +113,26 @@ class ProtocolCycle(RequestResponseCycle):
         all that is kept of it (no observation)."""
         observers = routes.observers
         if observers.enabled:
-            scope = functools.partial(_scope, protocol, method, path)
+            self._protocol = protocol
             self.observation, self.left_out = observers.observe(
-                method, path, protocol.headers, protocol.client, scope
+                method, path, protocol.headers, protocol.client, self._scope
             )
+
+    def _scope(self) -> dict[str, Any]:
+        """What the access log and tracing read of the request head, as an ASGI scope has it,
+        with the client and scheme a loopback proxy forwards (made only when they read it)."""
+        protocol = self._protocol
+        scope = {
+            "type": "http",
+            "method": self.method,
+            "path": self.path,
+            "headers": protocol.headers,
+            "client": protocol.client,
+            "server": protocol.server,
+            "scheme": protocol.scheme,
+            "http_version": protocol.parser.get_http_version(),
+        }
+        return forwarded_scope(scope)
 
     @property
     def message_event(self) -> ProtocolCycle:  # type: ignore[override]
@@ -459,19 +475,3 @@ class ProtocolCycle(RequestResponseCycle):
 
 def _nothing() -> None:
     pass
-
-
-def _scope(protocol: InferenceHttpProtocol, method: str, path: str) -> dict[str, Any]:
-    """What the access log and tracing read of a request head, as an ASGI scope has it, with
-    the client and scheme a loopback proxy forwards."""
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "headers": protocol.headers,
-        "client": protocol.client,
-        "server": protocol.server,
-        "scheme": protocol.scheme,
-        "http_version": protocol.parser.get_http_version(),
-    }
-    return forwarded_scope(scope)
