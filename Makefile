@@ -51,6 +51,8 @@ digits: install-serve
 	test -f model_store/digits.mar || \
 		$(PYTHON) -m scriptserve.training --model lenet --epochs 10 --out model_store
 
+# The tests' servers are real `scriptserve serve` processes forked from one that has imported
+# torch and the server once (tests/serving.py); SCRIPTSERVE_TEST_FRESH_SERVERS=1 starts each afresh.
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=25
 

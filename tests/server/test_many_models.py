@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -33,6 +34,14 @@ fit, three do not") is more than a server's resident size varies from one start 
 the budgets are set from another server's sizes (`sizes`). At 48 MiB, one run in five loaded a
 third model without unloading one."""
 MODELS = 6
+
+
+def fresh_server(store: Path, *args: str, **kwargs: Any) -> ServerProcess:
+    """A server started as a process of its own (serving.ServerProcess's `fresh`): these tests
+    budget the resident memory it measures."""
+    return ServerProcess(store, *args, fresh=True, **kwargs)
+
+
 LAZY = ("--lazy-load", "--workers", "1", "--no-snapshot")
 """Every model lazy, one thread worker each; each server starts from the store alone."""
 
@@ -78,7 +87,7 @@ def sizes(store: Path) -> tuple[int, int]:
     """What a server without a budget measures on this machine: its resident size with no
     model (with what its first load sets up once: kernels, thread pools), and one model's
     bytes."""
-    proc = ServerProcess(store, *LAZY).start()
+    proc = fresh_server(store, *LAZY).start()
     try:
         with httpx.Client(timeout=60) as client:
             assert answer(infer(client, proc, "m0")) == 0
@@ -99,7 +108,7 @@ def budget_for(sizes: tuple[int, int], models: float) -> str:
 
 @pytest.fixture(scope="module")
 def lazy_server(store: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(store, *LAZY, "--enable-model-api").start()
+    proc = fresh_server(store, *LAZY, "--enable-model-api").start()
     yield proc
     proc.stop()
 
@@ -175,7 +184,7 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(
     store: Path, sizes: tuple[int, int]
 ) -> None:
     budget = budget_for(sizes, 2.5)
-    proc = ServerProcess(store, *LAZY, "--memory-budget", budget)
+    proc = fresh_server(store, *LAZY, "--memory-budget", budget)
     proc.start()
     try:
         with httpx.Client(timeout=60) as client:
@@ -212,7 +221,7 @@ def test_a_pinned_model_stays_and_a_full_budget_answers_503(
         "model_defaults:\n  m0:\n    '*': {evictable: false}\n  m1:\n    '*': {evictable: false}\n"
     )
     budget = budget_for(sizes, 2.5)
-    proc = ServerProcess(
+    proc = fresh_server(
         store,
         *LAZY,
         "--memory-budget",
@@ -242,7 +251,7 @@ def test_zipf_traffic_over_more_models_than_fit_loses_nothing(
     """32 clients for 5 s, model i chosen with weight 1/(i+1)^1.1, a budget for 3 of the 6:
     every request answered 200 by the model it named, while models are evicted and reloaded."""
     budget = budget_for(sizes, 3.5)
-    proc = ServerProcess(store, *LAZY, "--memory-budget", budget)
+    proc = fresh_server(store, *LAZY, "--memory-budget", budget)
     proc.start()
     weights = [1 / (i + 1) ** 1.1 for i in range(MODELS)]
     outcomes: list[tuple[int, int, int]] = []
@@ -289,7 +298,7 @@ PROCESS = (*LAZY, "--worker-mode", "process")
 def process_sizes(store: Path) -> tuple[int, int]:
     """What a server with process workers and no budget measures: its baseline (the server
     process before any model) and one model's worker process."""
-    sizing = ServerProcess(store, *PROCESS).start()
+    sizing = fresh_server(store, *PROCESS).start()
     try:
         with httpx.Client(timeout=120) as client:
             assert answer(infer(client, sizing, "m0")) == 0
@@ -310,7 +319,7 @@ def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
     assert child > MODEL_MIB * 2**20  # the weights and a Python process with torch
 
     budget = str(int(baseline + 1.5 * child))
-    proc = ServerProcess(store, *PROCESS, "--memory-budget", budget).start()
+    proc = fresh_server(store, *PROCESS, "--memory-budget", budget).start()
     try:
         with httpx.Client(timeout=120) as client:
             for name, ident in (("m0", 0), ("m1", 1), ("m0", 0), ("m1", 1)):
@@ -334,7 +343,7 @@ def test_a_model_running_a_request_is_waited_for_not_unloaded(
         tmp_path, [MODEL_MIB] * 2, prefix="s", archive_format="zip-store", busy=2000
     )
     budget = budget_for(sizes, 1.5)
-    proc = ServerProcess(store, *LAZY, "--memory-budget", budget, "--no-warmup").start()
+    proc = fresh_server(store, *LAZY, "--memory-budget", budget, "--no-warmup").start()
     try:
         with httpx.Client(timeout=120) as client:
             assert answer(infer(client, proc, "s0")) == 0  # loaded (and timed)
@@ -377,7 +386,7 @@ def test_grpc_repository_and_snapshots_see_lazy_models(
     )  # fmt: skip
     x = triton_grpc.InferInput("x", [1, 8], "FP32")
     x.set_data_from_numpy(np.full((1, 8), 0.5, np.float32))
-    proc = ServerProcess(store, *args).start()
+    proc = fresh_server(store, *args).start()
     try:
         headers = proc.mgmt_headers
         rpc = triton_grpc.InferenceServerClient(proc.grpc)
@@ -403,7 +412,7 @@ def test_grpc_repository_and_snapshots_see_lazy_models(
             assert rpc.is_server_ready()
     finally:
         proc.stop()
-    restarted = ServerProcess(store, *args).start()
+    restarted = fresh_server(store, *args).start()
     try:
         with httpx.Client(timeout=60) as client:
             again = memory(client, restarted, "pinned")
@@ -419,7 +428,7 @@ def test_a_request_waits_for_its_model_to_load_no_longer_than_its_deadline(
     """A load that takes longer than a request's deadline answers that request 504 on time;
     the load goes on, and the next request is served by it."""
     store = build_holders(tmp_path, [4], prefix="w", busy=3000)  # warm-up: 2 long calls
-    proc = ServerProcess(store, *LAZY).start()
+    proc = fresh_server(store, *LAZY).start()
     try:
         with httpx.Client(timeout=60) as client:
             started = time.perf_counter()
@@ -444,7 +453,7 @@ def test_zipf_traffic_with_process_workers_loses_nothing(
     started."""
     baseline, child = process_sizes
     budget = int(baseline + 2.4 * child)
-    proc = ServerProcess(store, *PROCESS, "--memory-budget", str(budget)).start()
+    proc = fresh_server(store, *PROCESS, "--memory-budget", str(budget)).start()
     outcomes: list[tuple[int, int, int]] = []
 
     async def client_loop(http: httpx.AsyncClient, rng: random.Random, until: float) -> None:
