@@ -104,15 +104,29 @@ def infer_request(msg: Any) -> InferenceRequest:
 def fill_infer_response(served: Served, request_id: str, response: M) -> M:
     """Write the answer into an empty ModelInferResponse (a stream's reply embeds one, and
     filling it in place spares copying the tensors); returns it."""
+    write_infer_response(
+        response, request_id, served.model_name, served.model_version, served.outputs
+    )
+    return response
+
+
+def write_infer_response(
+    response: object,
+    request_id: str,
+    model_name: str,
+    model_version: str,
+    outputs: list[tuple[str, np.ndarray]],
+) -> None:
+    """Write an answer into an empty ModelInferResponse: `ModelInfer` has the worker that
+    answered write it (the data plane's `encode`), as the worker read the request."""
     message: Any = response
-    message.model_name = served.model_name
-    message.model_version = served.model_version
+    message.model_name = model_name
+    message.model_version = model_version
     message.id = request_id
-    for name, array in served.outputs:
+    for name, array in outputs:
         datatype, raw = raw_output(array)
         message.outputs.add(name=name, datatype=datatype, shape=array.shape)
         message.raw_output_contents.append(raw)
-    return response
 
 
 def fill_stream_reply(request: Any, outcome: asyncio.Future[Served], reply: M) -> M:

@@ -83,14 +83,16 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelInfer(self, request: Any, context: Any) -> oip.ModelInferResponse:
-        served = await self.dataplane.submit(
+        response = oip.ModelInferResponse()  # written by the worker that answers (`encode`)
+        await self.dataplane.submit(
             request.model_name,
             converters.version_of(request.model_version),
             functools.partial(converters.infer_request, request),
             protocol="grpc",
             timeout_s=context.time_remaining(),
+            encode=functools.partial(converters.write_infer_response, response, request.id),
         )
-        return converters.fill_infer_response(served, request.id, oip.ModelInferResponse())
+        return response
 
     @translated
     async def ModelConfig(self, request: Any, context: Any) -> oip.ModelConfigResponse:

@@ -51,8 +51,8 @@ class Admitted:
     """A queued request as its worker takes it (the job's `decode`): called on the worker's
     thread, it returns the request decoded, named and checked, or raises the ServingError that
     answers it (InvalidInput, 400); `served` makes its answer, and its wire format too when the
-    transport gave an `encode` (OIP over REST: the answer's bytes are written on the worker's
-    thread, as its request was read there, not on the event loop)."""
+    transport gave an `encode` (OIP over REST and gRPC's ModelInfer: the answer is written on
+    the worker's thread, as its request was read there, not on the event loop)."""
 
     __slots__ = ("_encode", "_given", "_mv", "_record", "outputs")
 
