@@ -6,8 +6,8 @@ has imported what every server imports (torch, the server, the TorchScript backe
 server is forked from it, then runs the command's own `main` with the test's arguments,
 environment and working directory, its output in its log file, its exit code its own. That
 import is about 3 s of CPU a server, a quarter of the suite's CPU on 2 cores. A test that
-gives its own `command` (an installed environment's `scriptserve`) runs it as a fresh
-process, as does every server when SCRIPTSERVE_TEST_FRESH_SERVERS=1.
+gives its own `command` (an installed environment's `scriptserve`), or asks for `fresh`, runs
+it as a process of its own, as does every server when SCRIPTSERVE_TEST_FRESH_SERVERS=1.
 """
 
 from __future__ import annotations
@@ -162,9 +162,10 @@ class ServerProcess:
         fresh: bool = False,
     ) -> None:
         """`command` runs the server (default: this interpreter's `-m scriptserve`, forked from
-        the fork server), in `cwd`; `fresh` starts the default command as a process of its own
-        (for a test that measures the server's resident memory: a forked one maps the fork
-        server's pages as it touches them, which moves its resident size while it runs)."""
+        the fork server), in `cwd`; `fresh` starts the default command as a process of its own:
+        for a test of what the server imports (a forked one has torch already), or of its
+        resident memory (a forked one maps the fork server's pages as it touches them, which
+        moves its resident size while it runs)."""
         self.fresh = (
             fresh or command is not None or os.environ.get("SCRIPTSERVE_TEST_FRESH_SERVERS") == "1"
         )

@@ -87,7 +87,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ]  # fmt: skip
     assert model_archiver_main(argv) == 0
     with_old_torch(tiny_archive(), store)
-    proc = ServerProcess(store, "--workers", "2").start(wait_ready=False, timeout_s=180)
+    # A process of its own: a forked server has torch imported already (serving.py), and these
+    # tests check that serving .pt2 never imports it.
+    proc = ServerProcess(store, "--workers", "2", fresh=True)
+    proc.start(wait_ready=False, timeout_s=180)
 
     def settled(client: httpx.Client) -> bool:
         for name in MODELS:
