@@ -36,13 +36,7 @@ from scriptserve.server.errors import (
     ServingError,
     error_for_status,
 )
-from scriptserve.server.inference.decoding import (
-    Admitted,
-    Encode,
-    Request,
-    Served,
-    decode_checked,
-)
+from scriptserve.server.inference.decoding import Admitted, Encode, Request, Served, decode_checked
 from scriptserve.server.inference.pipeline_run import run_pipeline
 from scriptserve.server.models.description import Descriptions
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
@@ -483,16 +477,6 @@ def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
         raise
     except Exception as exc:
         raise InvalidInput(f"the request could not be decoded ({type(exc).__name__})") from None
-
-
-def pin_request(name: str) -> None:
-    """Name the request running in this context `name` for good in its access line and span (a
-    workflow's: its steps' models do not replace it)."""
-    record, trace = access_log.current(), tracing.current()
-    if record is not None:
-        record.note_model(name, None, pin=True)
-    if trace is not None:
-        trace.note_model(name, None, pin=True)
 
 
 def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:

@@ -23,10 +23,21 @@ import orjson
 from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.codec import torchserve
 from scriptserve.server.errors import DeadlineExceeded, ServingError, error_for_status
-from scriptserve.server.inference.dataplane import DataPlane, pin_request
+from scriptserve.server.inference.dataplane import DataPlane
 from scriptserve.server.models.workflows import Node, Workflow
+from scriptserve.server.observability import access_log, tracing
 
 log = logging.getLogger("scriptserve.workflows")
+
+
+def pin_request(name: str) -> None:
+    """Name the request running in this context `name` for good in its access line and span (a
+    workflow's: its steps' models do not replace it)."""
+    record, trace = access_log.current(), tracing.current()
+    if record is not None:
+        record.note_model(name, None, pin=True)
+    if trace is not None:
+        trace.note_model(name, None, pin=True)
 
 
 async def run_workflow(

@@ -310,8 +310,7 @@ class Tracing:
         """For a request without a `traceparent`: a trace that records nothing when the sampling
         ratio leaves it out, else None (open it with `start`). Always None when the sampler is
         the SDK's own (OTEL_TRACES_SAMPLER)."""
-        ratio = self._root_ratio
-        if ratio is None or random.random() < ratio:
+        if not self._leaves_out_root():
             return None
         return RequestTrace(random.getrandbits(128) or 1, random.getrandbits(64) or 1, 0)
 
@@ -321,10 +320,15 @@ class Tracing:
         (open it with `start`). Its ids are 24 random bytes written as hex in one pass: what an
         HTTP request the ratio leaves out costs (an all-zero id, which W3C's format forbids,
         has odds of 2**-64 at most)."""
-        ratio = self._root_ratio
-        if ratio is None or random.random() < ratio:
+        if not self._leaves_out_root():
             return None
         return b"00-%b-00" % random.randbytes(24).hex("-", -16).encode()
+
+    def _leaves_out_root(self) -> bool:
+        """The sampling ratio's draw for a request without a `traceparent`: True when the ratio
+        is the server's and leaves it out."""
+        ratio = self._root_ratio
+        return ratio is not None and random.random() >= ratio
 
     def traceparent(self, trace: RequestTrace) -> str:
         """The W3C traceparent of the request's span, returned to the client."""
