@@ -208,7 +208,7 @@ class Call:
                 f"model {name!r} version {mv.version} is scaled to 0 workers; scale it up "
                 "(PUT /models/NAME?min_worker=1) or use another version"
             )
-        elif not mv.serving:
+        elif not mv.accepting:
             raise ModelNotReady(f"model {name!r} has no ready worker; retry later")
         if mv.streams and not streaming:
             raise StreamRefused(name)

@@ -74,6 +74,13 @@ class ModelVersion:
         return self.state is ModelState.READY and self.pool.live > 0
 
     @property
+    def accepting(self) -> bool:
+        """Requests may queue: serving, or loaded with its lost workers being replaced (a
+        request waits for the replacement, bounded by its deadline, as it would behind a busy
+        worker; a model that fails for good answers what is queued at once)."""
+        return self.state is ModelState.READY and (self.pool.live > 0 or self.pool.replacing)
+
+    @property
     def ready(self) -> bool:
         """Readiness: serving at full capacity (no worker missing, e.g. one being replaced), or
         parked, which its next request loads."""

@@ -48,6 +48,8 @@ class WorkerState(str, Enum):
 
 
 LIVE_STATES = (WorkerState.READY, WorkerState.BUSY)
+# A worker in one of these is coming (back): a lost one replaced, or waiting out its back-off.
+COMING_STATES = (WorkerState.STARTING, WorkerState.RESTARTING)
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,11 @@ class WorkerPool(Generic[S]):
     def live(self) -> int:
         """Slots whose worker can take a batch now."""
         return sum(1 for slot in list(self._slots) if slot.state in LIVE_STATES)
+
+    @property
+    def replacing(self) -> bool:
+        """A worker lost is being replaced: a request can wait in the queue for it."""
+        return any(slot.state in COMING_STATES for slot in list(self._slots))
 
     def slots(self) -> list[S]:
         return list(self._slots)

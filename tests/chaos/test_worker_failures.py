@@ -210,6 +210,23 @@ def test_hung_process_worker_answers_504_on_time_and_is_replaced(server: ServerP
     assert "did not answer within the response timeout of 2 s; killing it" in server.output()
 
 
+def test_a_request_while_every_worker_is_replaced_waits_for_a_replacement(
+    server: ServerProcess,
+) -> None:
+    # Both of tiny's process workers killed: none can serve until one is back (back-off 1 s).
+    for pid in worker_pids(server, "tiny"):
+        psutil.Process(pid).kill()
+    poll(
+        lambda: {w["status"] for w in describe(server, "tiny")["workers"]}
+        <= {"STARTING", "RESTARTING"},
+        what="every tiny worker being replaced",
+    )
+    # Not refused with "no ready worker": it waits in the queue and a replacement runs it.
+    x = row(seed=11)
+    np.testing.assert_allclose(output(infer(server, "tiny", x)), reference_output(x), atol=1e-5)
+    poll(lambda: ready(server, "tiny") == (200, 200), what="ready again")
+
+
 def test_stuck_thread_worker_is_reported_and_the_model_keeps_serving(
     server: ServerProcess,
 ) -> None:
