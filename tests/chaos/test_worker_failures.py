@@ -216,9 +216,9 @@ def test_a_request_while_every_worker_is_replaced_waits_for_a_replacement(
     # Both of tiny's process workers killed: none can serve until one is back (back-off 1 s).
     for pid in worker_pids(server, "tiny"):
         psutil.Process(pid).kill()
+    coming = {"STARTING", "RESTARTING"}
     poll(
-        lambda: {w["status"] for w in describe(server, "tiny")["workers"]}
-        <= {"STARTING", "RESTARTING"},
+        lambda: {w["status"] for w in describe(server, "tiny")["workers"]} <= coming,
         what="every tiny worker being replaced",
     )
     # Not refused with "no ready worker": it waits in the queue and a replacement runs it.
