@@ -54,6 +54,8 @@ UNKNOWN_LABEL = "_unknown"
 """Metric label of a model or version the registry does not hold (no model name starts with _)."""
 CLIENT_CLOSED = 499
 """Metric status of a request whose client went away first (nginx's "client closed request")."""
+InParts = Callable[[Job, ModelVersion, Admitted], None]
+"""What makes a queued job's answer come in parts (`DataPlane._in_parts`)."""
 DEADLINE_SLACK_S = 0.05
 """How near its deadline a call counts as expired: the client's timer and the server's differ by
 the network's latency, so a client's cancel may arrive just before the server's deadline."""
@@ -139,18 +141,18 @@ class Call:
         self,
         version: str | None,
         request: Request,
-        streaming: bool = False,
         encode: Encode | None = None,
+        in_parts: InParts | None = None,
     ) -> Job:
-        """Resolve the model version and queue the request with its deadline (with a
-        PartStream when `streaming`; its answer written by `encode` on the worker's thread when
-        given); counted in flight until its future is done. A refusal raises the ServingError
-        that answers it, counted."""
+        """Resolve the model version and queue the request with its deadline (its answer
+        written by `encode` on the worker's thread when given; taken in parts through what
+        `in_parts` attaches, for a stream); counted in flight until its future is done. A
+        refusal raises the ServingError that answers it, counted."""
         plane = self.plane
         try:
-            mv = self.mv = self.resolve(version, streaming)
+            mv = self.mv = self.resolve(version, streaming=in_parts is not None)
             self.labels = (mv.name, mv.version)
-            self.job, self.timer = self.queue(mv, request, streaming, encode)
+            self.job, self.timer = self.queue(mv, request, encode, in_parts)
         except ServingError as exc:
             self.note(version)
             self.count(exc.status)
@@ -218,13 +220,13 @@ class Call:
         self,
         mv: ModelVersion,
         request: Request,
-        stream: bool = False,
         encode: Encode | None = None,
+        in_parts: InParts | None = None,
     ) -> tuple[Job, asyncio.TimerHandle]:
-        """Queue the request with its deadline (with a PartStream when the client takes its
-        answer in parts), and the timer that answers 504 at it. A request given as the function
-        that decodes it is decoded by the worker that takes it, and every request is checked
-        there (`decoding.Admitted`)."""
+        """Queue the request with its deadline, and the timer that answers 504 at it (a
+        stream's job gets what takes its parts from `in_parts` first). A request given as the
+        function that decodes it is decoded by the worker that takes it, and every request is
+        checked there (`decoding.Admitted`)."""
         budget = mv.settings.response_timeout_s
         if self.timeout_s is not None:
             if self.timeout_s <= 0:
@@ -232,17 +234,10 @@ class Call:
             budget = min(budget, self.timeout_s)  # a client may shorten it, never lengthen
         loop = asyncio.get_running_loop()
         admitted = Admitted(mv, request, self.record, encode)  # decoded and answered by its worker
-        finish = None if stream else admitted.served  # a stream's PartStream makes each part's
         deadline = time.monotonic() + budget
-        job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, finish)
-        if stream:
-            job.stream = PartStream(
-                job.future,
-                self.plane.settings.stream_max_unread_parts,
-                admitted.served,
-                model=(mv.name, mv.version),
-                streaming=mv.streams,
-            )
+        job = Job(InferenceRequest(), loop.create_future(), deadline, admitted, admitted.served)
+        if in_parts is not None:
+            in_parts(job, mv, admitted)  # before a worker can take it
         trace = self.trace
         if trace is not None and trace.recording:
             job.span_context = trace.context  # before a worker takes it: its batch links to it
@@ -377,9 +372,21 @@ class DataPlane:
         """Run one request whose answer the client takes as it comes, part by part (an answer
         in one piece is a stream of one). Raises ServingError when it cannot be queued; the
         stream then raises what ended it early. The deadline covers the whole stream."""
-        job = Call(self, name, protocol, timeout_s).admit(version, request, streaming=True)
+        job = Call(self, name, protocol, timeout_s).admit(version, request, in_parts=self._in_parts)
         assert job.stream is not None
         return job.stream
+
+    def _in_parts(self, job: Job, mv: ModelVersion, admitted: Admitted) -> None:
+        """A stream's job: its PartStream makes each part's answer, in place of the job's one
+        `finish`."""
+        job.finish = None
+        job.stream = PartStream(
+            job.future,
+            self.settings.stream_max_unread_parts,
+            admitted.served,
+            model=(mv.name, mv.version),
+            streaming=mv.streams,
+        )
 
     async def infer_many(
         self,
