@@ -37,6 +37,7 @@ from scriptserve.server.errors import (
     error_for_status,
 )
 from scriptserve.server.inference.decoding import Admitted, Encode, Request, Served, decode_checked
+from scriptserve.server.inference.inflight import InFlight
 from scriptserve.server.inference.pipeline_run import run_pipeline
 from scriptserve.server.models.description import Descriptions
 from scriptserve.server.models.pipelines import VERSION as PIPELINE_VERSION
@@ -59,47 +60,6 @@ InParts = Callable[[Job, ModelVersion, Admitted], None]
 DEADLINE_SLACK_S = 0.05
 """How near its deadline a call counts as expired: the client's timer and the server's differ by
 the network's latency, so a client's cancel may arrive just before the server's deadline."""
-
-
-class InFlight:
-    """The count of requests in flight per (model, version), and the moment it reaches zero."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], int] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def total(self) -> int:
-        """Requests in flight across every model."""
-        return sum(self._counts.values())
-
-    def of(self, name: str, version: str) -> int:
-        return self._counts.get((name, version), 0)
-
-    def arrive(self, name: str, version: str) -> None:
-        """A request to the model version (or the pipeline) `name` `version` is in flight."""
-        key = (name, version)
-        self._counts[key] = self._counts.get(key, 0) + 1
-        self._idle.clear()
-
-    def depart(self, name: str, version: str) -> None:
-        key = (name, version)
-        left = self._counts[key] - 1
-        if left:
-            self._counts[key] = left
-        else:
-            del self._counts[key]
-            if not self._counts:
-                self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no request is in flight, at most `timeout_s`; True when none is."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
 
 class Call:
