@@ -1,14 +1,13 @@
 """One request of the inference routes the HTTP protocol answers itself (`protocol_routes.py`):
-its body collected from the parser's callbacks, the guard's checks, the hand-over to the data
-plane, and its answer, written from the data plane's future callback (as HTTP chunks when it
-comes in parts); observed by the access log and tracing while either is on."""
+its head read, its body collected from the parser's callbacks, the guard's checks, and its
+answer written; observed by the access log and tracing while either is on. What a route does
+with the whole request (its hand-over to the data plane) and how its answer is made are the
+route's own: `route_cycles.py`."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
@@ -19,23 +18,17 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from scriptserve.handlers.base import InferenceResponse
-from scriptserve.server.codec import oip_json, torchserve
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.errors import PayloadTooLarge, ServingError
-from scriptserve.server.inference.decoding import Served
 from scriptserve.server.rest.errors import body_too_large, error_body, method_not_allowed
-from scriptserve.server.rest.forms import form_fields
 from scriptserve.server.rest.observe import CLIENT_GONE, Observation, forwarded_scope
 
 if TYPE_CHECKING:
-    from scriptserve.handlers.base import InferenceRequest
     from scriptserve.server.rest.protocol_routes import (
         InferenceHttpProtocol,
         InferenceRoute,
         ProtocolRoutes,
     )
-    from scriptserve.server.workers.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest")
 
@@ -44,12 +37,11 @@ _FRAMING = frozenset(("content-length", "transfer-encoding", "connection"))
 """Answer headers the protocol writes itself; a handler's own are dropped."""
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _JSON = b"application/json"
-_BINARY = b"application/octet-stream"
-_HEADER_LENGTH = oip_json.HEADER_LENGTH.lower().encode() + b": %d\r\n"
 
 
 class ProtocolCycle(RequestResponseCycle):
-    """One request of the inference routes, from its head to its answer (see `protocol_routes`).
+    """One request of the inference routes, from its head to its answer (see `protocol_routes`);
+    a route's own class (`route_cycles.py`) hands the whole request over in `_run`.
 
     uvicorn's protocol sees a RequestResponseCycle: it appends the body, sets `more_body` and
     `disconnected`, and calls `message_event.set()`, which is this object's `set`. The parent's
@@ -95,6 +87,8 @@ class ProtocolCycle(RequestResponseCycle):
         self.declared: int | None = None
         self.authorization: str | None = None
         self.timeout: str | None = None
+        self.timeout_s: float | None = None
+        """The deadline the client asks for (`X-Request-Timeout`), read when its turn begins."""
         self.header_length: str | None = None
         for name, value in protocol.headers:
             if name == b"content-type":
@@ -143,8 +137,8 @@ class ProtocolCycle(RequestResponseCycle):
     # -- what the protocol calls --------------------------------------------------------------
     def begin(self) -> None:
         """The request's turn on its connection (at once, or after the pipelined ones before
-        it): refuse it now if its key, method or declared size says so, else wait for its
-        body."""
+        it): refuse it now if its key, method, declared size or deadline says so, else wait for
+        its body."""
         self.begun = True
         routes = self.routes
         if routes.auth:
@@ -158,6 +152,12 @@ class ProtocolCycle(RequestResponseCycle):
         if self.declared is not None and self.declared > routes.max_bytes:
             self._answer_error(body_too_large(routes.max_bytes))
             return
+        if self.timeout is not None:
+            try:
+                self.timeout_s = request_timeout(self.timeout)
+            except ServingError as exc:
+                self._answer_error(exc)
+                return
         if self.waiting_for_100_continue and self.more_body:
             self.waiting_for_100_continue = False
             self.transport.write(_CONTINUE)
@@ -199,66 +199,13 @@ class ProtocolCycle(RequestResponseCycle):
             self._loop.call_soon(observation.run, self._run)
 
     def _run(self) -> None:
-        if self.response_complete:
-            return  # the client went away meanwhile
-        body = bytes(self.body)
-        self.body = bytearray()
-        try:
-            timeout_s = request_timeout(self.timeout)
-            if not self.route.predicts:
-                self._infer(oip_json.OipBody(body, self.header_length, self._headers()), timeout_s)
-            elif (self.content_type or "").startswith("multipart/form-data"):
-                self._spawn(self._predict_form(body, timeout_s))
-            else:
-                request = torchserve.body_request(body, self.content_type, self._headers())
-                self._predict(request, timeout_s)
-        except ServingError as exc:
-            self._answer_error(exc)
-        except Exception:
-            self._unexpected()
+        """Hand the whole request to the data plane; its answer comes back to this cycle. Each
+        route's class has its own (`route_cycles.py`). (Not an `abc.ABC`: the protocol checks
+        `isinstance` on every request, which an ABC's metaclass makes about five times slower.)"""
+        raise NotImplementedError(f"{type(self).__name__} hands no request over")
 
     def _headers(self) -> Headers:
         return Headers(raw=self.raw_headers)
-
-    def _infer(self, wire: oip_json.OipBody, timeout_s: float | None) -> None:
-        answer = self.routes.dataplane.submit(
-            self.model_name,
-            self.version,
-            wire.decode,
-            protocol="rest",
-            timeout_s=timeout_s,
-            encode=wire.keep,
-        )
-        self._withdraw = answer.cancel
-        answer.add_done_callback(functools.partial(self._inferred, wire))
-
-    def _predict(self, request: InferenceRequest, timeout_s: float | None) -> None:
-        # Any handler may answer in parts (TorchServe's send_intermediate_predict_response):
-        # the answer is a stream, written in one piece when it came in one.
-        stream = self.routes.dataplane.stream(
-            self.model_name, self.version, request, protocol="rest", timeout_s=timeout_s
-        )
-        self._withdraw = stream.close
-        stream.on_part = functools.partial(self._parts_came, stream)
-        stream.future.add_done_callback(functools.partial(self._predicted, stream))
-
-    async def _predict_form(self, body: bytes, timeout_s: float | None) -> None:
-        """A multipart body: its fields by name are the inputs, as TorchServe reads them."""
-        headers = self._headers()
-        try:
-            fields = await form_fields(body, headers, self.routes.settings)
-            if not self.response_complete:  # the client may have gone while the form was read
-                request = torchserve.predictions_request(fields, self.content_type or "", headers)
-                self._predict(request, timeout_s)
-        except ServingError as exc:
-            self._answer_error(exc)
-        except Exception:
-            self._unexpected()
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _gone(self) -> None:
         """The client went away: withdraw its request (the data plane frees its slot)."""
@@ -273,111 +220,6 @@ class ProtocolCycle(RequestResponseCycle):
                 if not self.response_started:
                     self.observation.status = CLIENT_GONE
                 self._observed_end()
-
-    def _predicted(self, stream: PartStream[Served], _: object) -> None:
-        """The request's future is done: answer in one piece, unless parts came first (then
-        their writer answers)."""
-        if stream.on_part is None or self.response_complete:
-            return
-        stream.on_part = None
-        try:
-            served = stream.result()
-        except ServingError as exc:
-            self._answer_error(exc)
-            return
-        except asyncio.CancelledError:
-            return  # withdrawn: the client is gone
-        except Exception:
-            self._unexpected()
-            return
-        if served is None:  # an empty answer in one piece
-            served = Served(stream.model_name, stream.model_version, InferenceResponse())
-        try:
-            payload, content_type = torchserve.prediction_payload(served.response)
-        except Exception:
-            self._unexpected()
-            return
-        response = served.response
-        self._answer(response.status, payload, content_type.encode("latin-1"), response.headers)
-
-    def _inferred(self, wire: oip_json.OipBody, answer: asyncio.Future[Served]) -> None:
-        """The request's answer (its bytes written by the worker, `OipBody.keep`), or the error
-        that ended it; nothing when it was withdrawn."""
-        if self.response_complete or answer.cancelled():
-            return
-        try:
-            answer.result()
-            if wire.answer is None:
-                raise RuntimeError("the answer came back without its bytes")
-            payload, header_length = wire.answer
-        except ServingError as exc:
-            self._answer_error(exc)
-            return
-        except Exception:
-            self._unexpected()
-            return
-        if header_length is None:
-            self._answer(200, payload, _JSON)
-        else:
-            self._answer(200, payload, _BINARY, lines=_HEADER_LENGTH % header_length)
-
-    # -- answers in parts (TorchServe's streaming handlers) ----------------------------------
-    def _parts_came(self, stream: PartStream[Served]) -> None:
-        if not self.response_complete:
-            self._spawn(self._write_parts(stream))
-
-    async def _write_parts(self, stream: PartStream[Served]) -> None:
-        """The answer, part by part as HTTP chunks, by the rules of `streams.py`: the status
-        line waits for the first part, a later error ends the stream with an error chunk."""
-        try:
-            await self._write_stream(stream)
-        except Exception:
-            if self.response_started:
-                log.exception(
-                    "model=%s version=%s: unexpected failure while streaming",
-                    self.model_name,
-                    self.version or "default",
-                )
-                self.transport.close()
-            else:
-                self._unexpected()
-        finally:
-            stream.close()
-
-    async def _write_stream(self, stream: PartStream[Served]) -> None:
-        try:
-            first = await stream.next()
-        except ServingError as exc:
-            self._answer_error(exc)
-            return
-        if first is None or self.response_complete:
-            return
-        response = first.response
-        payload, content_type = torchserve.prediction_payload(response)
-        if stream.ended:
-            self._answer(response.status, payload, content_type.encode(), response.headers)
-            return
-        head = self._head(response.status, content_type.encode(), response.headers)
-        self.transport.write(head + b"transfer-encoding: chunked\r\n\r\n" + self._chunk(payload))
-        try:
-            while (served := await stream.next()) is not None:
-                if self.flow.write_paused:
-                    await self.flow.drain()
-                if self.disconnected:
-                    return
-                self.transport.write(self._chunk(torchserve.prediction_payload(served.response)[0]))
-        except ServingError as exc:
-            log.info(
-                "model=%s version=%s stream ended after %d parts: %s",
-                stream.model_name,
-                stream.model_version,
-                stream.parts_sent,
-                exc.message,
-            )
-            self.transport.write(self._chunk(error_body("/predictions", exc)))
-        if not self.disconnected:
-            self.transport.write(b"0\r\n\r\n")
-            self._complete()
 
     # -- writing ------------------------------------------------------------------------------
     def _head(
@@ -437,14 +279,6 @@ class ProtocolCycle(RequestResponseCycle):
             self.observation.sent(size)
         self.transport.write(b"%scontent-length: %d\r\n\r\n%s" % (head, size, payload))
         self._complete()
-
-    def _chunk(self, data: bytes) -> bytes:
-        """`data` as one HTTP chunk (none when it is empty)."""
-        if not data:
-            return b""
-        if self.observation is not None:
-            self.observation.sent(len(data))
-        return b"%x\r\n%s\r\n" % (len(data), data)
 
     def _answer_error(self, error: ServingError) -> None:
         if isinstance(error, PayloadTooLarge):

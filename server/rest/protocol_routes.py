@@ -6,12 +6,12 @@ every request a server answers. Through uvicorn, each request would be an ASGI c
 an `asyncio.Event`, a task running a coroutine through the ASGI layers, a `Request` and a
 `Response` object, and two `send` messages whose headers uvicorn validates one by one: most
 of the event loop's Python time for these routes. `InferenceHttpProtocol` serves them itself:
-when a request head names one of them, it makes a `ProtocolCycle` (`protocol_cycle.py`; a
-uvicorn `RequestResponseCycle`, so keep-alive, pipelining, flow control, the connection limits
-of `connections.LimitedHttpProtocol` and shutdown treat it like any other) whose body is
-collected by the parser's callbacks and handed to the data plane when complete; the answer is
-written from the data plane's future callback. No task runs unless an answer comes in parts or
-the body is a multipart form.
+when a request head names one of them, it makes the route's cycle (`route_cycles.py`, each a
+`protocol_cycle.ProtocolCycle`: a uvicorn `RequestResponseCycle`, so keep-alive, pipelining,
+flow control, the connection limits of `connections.LimitedHttpProtocol` and shutdown treat it
+like any other) whose body is collected by the parser's callbacks and handed to the data plane
+when complete; the answer is written from the data plane's future callback. No task runs
+unless an answer comes in parts or the body is a multipart form.
 
 Whatever is switched on, these routes take this path: the key (`security.AccessKeys`), the
 body limit (a declared Content-Length over it is answered 413 before the body is read; a
@@ -34,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from scriptserve.server.rest.connections import LimitedHttpProtocol
 from scriptserve.server.rest.guard import Disconnects
 from scriptserve.server.rest.protocol_cycle import ProtocolCycle
+from scriptserve.server.rest.route_cycles import InferCycle, PredictionCycle
 
 if TYPE_CHECKING:
     from scriptserve.server.inference.dataplane import DataPlane
@@ -111,10 +112,11 @@ class ProtocolRoutes:
         path = httptools.parse_url(protocol.url).path.decode("ascii")
         if "%" in path:
             path = urllib.parse.unquote(path)
-        route = inference_route(path)
-        if route is None:
+        found = inference_route(path)
+        if found is None:
             return None
-        return ProtocolCycle(protocol, self, parser.get_method().decode("ascii"), path, *route)
+        cycle = PredictionCycle if found[0].predicts else InferCycle
+        return cycle(protocol, self, parser.get_method().decode("ascii"), path, *found)
 
 
 class InferenceHttpProtocol(LimitedHttpProtocol):

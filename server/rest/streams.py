@@ -1,6 +1,6 @@
 """Answers in parts over the ASGI app: Triton's generate extension (`/generate` for one answer,
 `/generate_stream` as Server-Sent Events). TorchServe's chunked `/predictions` is written by the
-HTTP protocol (`protocol_cycle.py`), by the same rules.
+HTTP protocol (`route_cycles.py:PredictionCycle`), by the same rules.
 
 The status line waits for the first part: a request that fails before it is answered with its
 error status, as every other route answers (Triton's generate does the same). Later errors end

@@ -384,6 +384,12 @@ def test_expect_100_continue(direct: ServerProcess) -> None:
     with _connect(direct) as sock:
         sock.sendall(refused)  # no 100 Continue: the key is refused before the body is sent
         assert Reader(sock).answer().status == 401
+    no_deadline = head.replace(b"Expect:", b"X-Request-Timeout: soon\r\nExpect:")
+    with _connect(direct) as sock:
+        sock.sendall(no_deadline)  # nor for a deadline that is not a number of seconds
+        answer = Reader(sock).answer()
+    assert answer.status == 400
+    assert b"X-Request-Timeout must be a positive number" in answer.body
 
 
 def _requests_counted(server: ServerProcess, status: int) -> float:
