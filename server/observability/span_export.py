@@ -15,9 +15,11 @@ an export once `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans (512) are waiting, or
 the collector work of its own, whatever its size.
 
 The loop never waits on the exporter. The exporter reads no more while it exports, so a slow
-collector fills the pipe and then the server's queue: at most `MAX_QUEUED` requests wait to be
-sent, and more are dropped, counted and logged (the one place where spans are dropped, as the
-SDK's batch span processor drops them from a queue of 2048). The exporter is started on the
+collector fills the pipe and then the server's queue: the spans of at most
+`OTEL_BSP_MAX_QUEUE_SIZE` spans' worth of requests wait to be sent (`MAX_QUEUED_SPANS` when it
+is unset: 2,048 requests of eight spans), and a request whose spans would not fit is dropped,
+counted and logged (the one place where spans are dropped, as the SDK's batch span processor
+drops spans from a queue of that size). The exporter is started on the
 first record and started again (at most once every `RESTART_INTERVAL_S`) when it exits; records
 wait in the queue meanwhile. It exits when its stdin closes, at `close` or when the server is
 gone, after exporting what it holds.
@@ -64,8 +66,10 @@ SpanRecord = tuple[
 ]
 Send = Callable[[bytes, int], object]
 
-MAX_QUEUED = 2048
-"""Requests whose spans may wait to be sent; more are dropped."""
+MAX_QUEUED_SPANS = 2048 * 8
+"""Spans that may wait to be sent, unless OTEL_BSP_MAX_QUEUE_SIZE says otherwise (the SDK's own
+default, 2,048, would hold about 250 requests here); a request whose spans do not fit is
+dropped."""
 EXPORT_SPANS = 512
 """Spans in one OTLP export, at most, unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise (the
 SDK's batch span processor's default)."""
@@ -95,7 +99,16 @@ class SpanExport:
             json.dumps({"protocol": protocol, "endpoint": endpoint, "resource": dict(resource)}),
         ]
         self._environ = None if environ is None else {**os.environ, **environ}
+        self.max_queued = _positive(
+            self._environ or os.environ, "OTEL_BSP_MAX_QUEUE_SIZE", MAX_QUEUED_SPANS
+        )
+        """Spans that may wait to be sent; a request whose spans do not fit is dropped."""
         self._queue: deque[SpanRecord] = deque()
+        self._spans_put = 0
+        """Spans queued so far: counted by `put` alone (the event loop's thread)."""
+        self._spans_taken = 0
+        """Spans the sender has taken from the queue: counted by the sender's thread alone. Each
+        count has one writer, so their difference, the spans waiting, needs no lock."""
         self._due = threading.Event()
         self._closed = False
         self._process: subprocess.Popen[bytes] | None = None
@@ -112,9 +125,11 @@ class SpanExport:
     def put(self, record: SpanRecord) -> None:
         """Queue one request's spans (from the event loop: never blocks)."""
         queue = self._queue
-        if len(queue) >= MAX_QUEUED:
+        spans = 1 + len(record[10])  # the server span and its children
+        if self._spans_put - self._spans_taken + spans > self.max_queued:
             self.dropped += 1
             return
+        self._spans_put += spans
         queue.append(record)
         if len(queue) == WAKE_AT:
             self._due.set()
@@ -163,6 +178,7 @@ class SpanExport:
         if process is None:
             return  # the records wait for the exporter's restart
         batch = [queue.popleft() for _ in range(len(queue))]
+        self._spans_taken += sum(1 + len(record[10]) for record in batch)
         payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
         assert process.stdin is not None
         try:

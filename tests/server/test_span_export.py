@@ -94,21 +94,21 @@ def test_an_exporter_that_stops_reading_costs_dropped_spans_not_waits(
     export: SpanExport, receiver: GrpcReceiver
 ) -> None:
     """Stopped (SIGSTOP), the exporter reads nothing: its pipe fills, the sender waits on it, and
-    the queue keeps at most MAX_QUEUED requests; `put` returns at once and counts what it drops.
+    the queue keeps at most `max_queued` spans; `put` returns at once and counts what it drops.
     Continued, it exports again."""
     first = secrets.randbits(128)
     export.put(record(first))
     receiver.trace(f"{first:032x}", 6)
     process = exporter_process(export)
     process.suspend()
-    count = span_export.MAX_QUEUED * 3
+    count = span_export.MAX_QUEUED_SPANS // 6 * 3
     try:
         for _ in range(count):
             export.put(record(secrets.randbits(128)))
         time.sleep(3 * span_export.SEND_INTERVAL_S)  # the sender is stuck on the full pipe
         for _ in range(count):
             export.put(record(secrets.randbits(128)))
-        assert export.dropped >= count - span_export.MAX_QUEUED
+        assert export.dropped >= count - export.max_queued // 6
     finally:
         process.resume()
     # Every request that was not dropped arrives, and nothing more.
@@ -119,6 +119,34 @@ def test_an_exporter_that_stops_reading_costs_dropped_spans_not_waits(
     later = secrets.randbits(128)
     export.put(record(later))
     assert len(receiver.trace(f"{later:032x}", 6, timeout_s=30)) == 6
+
+
+def test_the_queue_holds_what_otel_bsp_max_queue_size_says(receiver: GrpcReceiver) -> None:
+    """The SDK's variable bounds the spans waiting to be sent, as it bounds its batch span
+    processor's queue: with the exporter stopped and 300 spans allowed, 500 requests of six
+    spans put at once keep at most 50 (and the sender may have taken one interval's worth
+    before); those arrive once it goes on."""
+    environ = {**FAST_EXPORT, "OTEL_BSP_MAX_QUEUE_SIZE": "300"}
+    export = SpanExport("grpc", receiver.endpoint, {"service.name": "spans-test"}, environ)
+    try:
+        assert export.max_queued == 300
+        first = secrets.randbits(128)
+        export.put(record(first))
+        receiver.trace(f"{first:032x}", 6)
+        process = exporter_process(export)
+        process.suspend()
+        try:
+            for _ in range(500):
+                export.put(record(secrets.randbits(128)))
+            assert 500 - 2 * 50 <= export.dropped <= 500 - 50
+        finally:
+            process.resume()
+        sent = 1 + 500 - export.dropped
+        spans = receiver.wait_for(lambda spans: len(spans) >= 6 * sent, timeout_s=60)
+        time.sleep(5 * span_export.SEND_INTERVAL_S)
+        assert len(spans) == len(receiver.spans) == 6 * sent
+    finally:
+        export.close(timeout_s=2.0)
 
 
 def test_an_exporter_that_exits_is_started_again(
@@ -143,7 +171,7 @@ def test_close_returns_when_the_exporter_is_stuck(receiver: GrpcReceiver) -> Non
     export.put(record(secrets.randbits(128)))
     process = exporter_process(export)
     process.suspend()
-    for _ in range(span_export.MAX_QUEUED):
+    for _ in range(span_export.MAX_QUEUED_SPANS // 6):
         export.put(record(secrets.randbits(128)))
     export.close(timeout_s=1.0)
     assert process.wait(10) is not None or not process.is_running()
