@@ -198,6 +198,11 @@ class ServerSettings(BaseSettings):
     """Time for a request line and headers to arrive: from connection open for a new
     connection, from the first byte of the head on a keep-alive one (nginx's
     client_header_timeout); then 408, or a close when nothing was sent."""
+    http_keepalive_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a keep-alive connection may wait idle for its next request before the server
+    closes it (uvicorn's default, 5 s). Behind a load balancer that keeps idle connections
+    longer (AWS ALB: 60 s), set it above the balancer's: else a request the balancer sends on a
+    connection the server is closing fails (a 502 at the balancer)."""
     http_body_timeout_s: float = Field(default=30.0, gt=0)
     """Longest pause between two reads of a request body (nginx's client_body_timeout); then
     408 and the connection closes."""

@@ -194,14 +194,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if (
-            not self.transport.is_closing()
-            and not self.pipeline
-            and self._head_left == self._max_head
-        ):
+        """uvicorn's, with the keep-alive timeout kept by the pool (`HttpConnections.rest`)
+        instead of a timer set and cancelled around every request."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request's turn
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._head_left == self._max_head:
             self._idle = True
-            self.pool.idle[self] = None
+            self.pool.rest(self)
 
     def close_after_response(self) -> None:
         """The server drains: responses not started yet carry `Connection: close`; a response

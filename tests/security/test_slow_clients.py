@@ -23,6 +23,7 @@ from testmodels import reference_output
 pytestmark = pytest.mark.slow
 
 HEADER_TIMEOUT_S = 1.0
+KEEPALIVE_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 1.0
 MAX_HEADER_BYTES = 16384
 MAX_CONNECTIONS = 8
@@ -82,6 +83,7 @@ def server(store: Path) -> Iterator[ServerProcess]:
     proc = start(
         store,
         http_header_timeout_s=HEADER_TIMEOUT_S,
+        http_keepalive_timeout_s=KEEPALIVE_TIMEOUT_S,
         http_body_timeout_s=BODY_TIMEOUT_S,
         http_max_header_bytes=MAX_HEADER_BYTES,
     )
@@ -195,6 +197,30 @@ def test_on_a_keep_alive_connection_the_header_timeout_starts_at_the_first_byte(
         answer, waited = timed(sock)
         assert_error(answer, 408)
     assert HEADER_TIMEOUT_S * 0.9 <= waited <= HEADER_TIMEOUT_S + ON_TIME_S, waited
+    settled(server, baseline)
+
+
+def test_a_keep_alive_connection_idle_for_the_keepalive_timeout_is_closed(
+    server: ServerProcess,
+) -> None:
+    """Each answer starts the connection's idle time again: requests sent at shorter intervals
+    keep it open past the timeout; once it waits longer than that, the server closes it."""
+    baseline = measured(server)
+    with connect(server) as sock, connect(server) as other:
+        began = time.monotonic()
+        for _ in range(3):
+            sock.sendall(ping())
+            answer = read_answer(sock)
+            assert answer is not None and answer.status == 200
+            other.sendall(ping())  # another idle connection, on its own clock
+            assert read_answer(other) is not None
+            time.sleep(KEEPALIVE_TIMEOUT_S * 0.6)
+        assert time.monotonic() - began > KEEPALIVE_TIMEOUT_S
+        rested = time.monotonic()
+        assert closed(sock)
+        waited = time.monotonic() - rested + KEEPALIVE_TIMEOUT_S * 0.6
+        assert closed(other)
+    assert KEEPALIVE_TIMEOUT_S * 0.9 <= waited <= KEEPALIVE_TIMEOUT_S + ON_TIME_S, waited
     settled(server, baseline)
 
 
