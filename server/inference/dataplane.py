@@ -36,6 +36,7 @@ from scriptserve.server.errors import (
     ServingError,
     error_for_status,
 )
+from scriptserve.server.inference.deadlines import Deadlines, Entry
 from scriptserve.server.inference.decoding import Admitted, Encode, Request, Served, decode_checked
 from scriptserve.server.inference.inflight import InFlight
 from scriptserve.server.inference.pipeline_run import run_pipeline
@@ -46,7 +47,7 @@ from scriptserve.server.models.registry import ModelRegistry, ModelState, ModelV
 from scriptserve.server.observability import access_log, tracing
 from scriptserve.server.observability.metrics import ServerMetrics
 from scriptserve.server.settings import ServerSettings
-from scriptserve.server.workers.batching import DynamicBatcher, Job
+from scriptserve.server.workers.batching import Job
 from scriptserve.server.workers.streaming import PartStream, StreamRefused
 
 log = logging.getLogger("scriptserve.dataplane")
@@ -64,11 +65,12 @@ the network's latency, so a client's cancel may arrive just before the server's 
 
 class Call:
     """One request in the data plane, from its admission to its last metric: what serves it (a
-    model version, whose job and deadline timer it holds, or a pipeline, whose steps run as a
-    task), its place in the in-flight count, and the one callback of its future (`end`) that
-    stops the timer, leaves the count and counts the outcome."""
+    model version, whose job and deadline it holds, or a pipeline, whose steps run as a task),
+    its place in the in-flight count, and the one callback of its future (`end`) that drops
+    the deadline, leaves the count and counts the outcome."""
 
     __slots__ = (
+        "deadline",
         "job",
         "labels",
         "mv",
@@ -78,7 +80,6 @@ class Call:
         "record",
         "started",
         "timeout_s",
-        "timer",
         "trace",
     )
 
@@ -112,7 +113,7 @@ class Call:
         try:
             mv = self.mv = self.resolve(version, streaming=in_parts is not None)
             self.labels = (mv.name, mv.version)
-            self.job, self.timer = self.queue(mv, request, encode, in_parts)
+            self.job, self.deadline = self.queue(mv, request, encode, in_parts)
         except ServingError as exc:
             self.note(version)
             self.count(exc.status)
@@ -182,11 +183,11 @@ class Call:
         request: Request,
         encode: Encode | None = None,
         in_parts: InParts | None = None,
-    ) -> tuple[Job, asyncio.TimerHandle]:
-        """Queue the request with its deadline, and the timer that answers 504 at it (a
-        stream's job gets what takes its parts from `in_parts` first). A request given as the
-        function that decodes it is decoded by the worker that takes it, and every request is
-        checked there (`decoding.Admitted`)."""
+    ) -> tuple[Job, Entry]:
+        """Queue the request with its deadline, kept by the data plane's `Deadlines`, which
+        answers 504 at it (a stream's job gets what takes its parts from `in_parts` first). A
+        request given as the function that decodes it is decoded by the worker that takes it,
+        and every request is checked there (`decoding.Admitted`)."""
         budget = mv.settings.response_timeout_s
         if self.timeout_s is not None:
             if self.timeout_s <= 0:
@@ -202,7 +203,7 @@ class Call:
         if trace is not None and trace.recording:
             job.span_context = trace.context  # before a worker takes it: its batch links to it
         mv.batcher.put(job)
-        return job, loop.call_later(budget, expire, job, mv.batcher, budget)
+        return job, self.plane._deadlines.add(job, mv.batcher, budget)
 
     def note(self, asked: str | None, jobs: Sequence[Job] = (), pin: bool = False) -> None:
         """What the access line and the span say of the request, once it is queued or refused:
@@ -225,7 +226,7 @@ class Call:
         assert labels is not None
         mv = self.mv
         if mv is not None:
-            self.timer.cancel()
+            self.plane._deadlines.remove(self.deadline)
             if future.cancelled():
                 mv.batcher.cancel(self.job)  # the client went away: free its slot if queued
         self.plane._inflight.depart(*labels)
@@ -266,6 +267,7 @@ class DataPlane:
         self.refusing = False
         """No new request is accepted (answered 503: retry on another replica)."""
         self._inflight = InFlight()
+        self._deadlines = Deadlines()
 
     # -- health and metadata -----------------------------------------------------------------
     @property
@@ -366,7 +368,7 @@ class DataPlane:
         whose handler has none answers 501. Raises ServingError."""
         call = Call(self, name, protocol, timeout_s)
         status = 500
-        queued: list[tuple[Job, asyncio.TimerHandle]] = []
+        queued: list[tuple[Job, Entry]] = []
         noted = False
         try:
             mv = call.mv = call.resolve(version)
@@ -412,8 +414,8 @@ class DataPlane:
             status = cancelled_status(call.started, timeout_s)
             raise
         finally:
-            for job, timer in queued:
-                timer.cancel()
+            for job, deadline in queued:
+                self._deadlines.remove(deadline)
                 if not job.future.done() and call.mv is not None:
                     call.mv.batcher.cancel(job)  # withdrawn: free the slot, leave the worker be
                     job.future.cancel()
@@ -444,15 +446,6 @@ def _decoded(decode: Callable[[], InferenceRequest]) -> InferenceRequest:
         raise
     except Exception as exc:
         raise InvalidInput(f"the request could not be decoded ({type(exc).__name__})") from None
-
-
-def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
-    """The deadline timer's end: a job not answered yet is withdrawn and answered 504."""
-    if not job.future.done():
-        batcher.cancel(job)
-        job.future.set_exception(
-            DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s")
-        )
 
 
 def cancelled_status(started: float, timeout_s: float | None) -> int:
