@@ -133,6 +133,7 @@ class HttpConnections:
         """`connection` answered its requests and waits for the next: closed once it has waited
         the keep-alive timeout."""
         loop = connection.loop
+        self.idle.pop(connection, None)  # at the end: the dict stays in the order they went idle
         self.idle[connection] = loop.time()
         if self._sweep is None:
             self._sweep = loop.call_later(self.limits.keepalive_timeout_s, self._close_stale, loop)
