@@ -19,6 +19,7 @@ from scriptserve.server.inference.decoding import Served
 from scriptserve.server.rest.errors import error_body
 from scriptserve.server.rest.forms import form_fields
 from scriptserve.server.rest.protocol_cycle import ProtocolCycle
+from scriptserve.server.rest.streams import log_stream_end
 
 if TYPE_CHECKING:
     from scriptserve.handlers.base import InferenceRequest
@@ -203,13 +204,7 @@ class PredictionCycle(ProtocolCycle):
                     return
                 self.transport.write(self._chunk(torchserve.prediction_payload(served.response)[0]))
         except ServingError as exc:
-            log.info(
-                "model=%s version=%s stream ended after %d parts: %s",
-                stream.model_name,
-                stream.model_version,
-                stream.parts_sent,
-                exc.message,
-            )
+            log_stream_end(stream, exc)
             self.transport.write(self._chunk(error_body("/predictions", exc)))
         if not self.disconnected:
             self.transport.write(b"0\r\n\r\n")

@@ -27,6 +27,18 @@ from scriptserve.server.workers.streaming import PartStream
 
 log = logging.getLogger("scriptserve.rest.streams")
 
+
+def log_stream_end(stream: PartStream[Served], error: ServingError) -> None:
+    """A stream that failed after its first part: the client sees an error part, the log this."""
+    log.info(
+        "model=%s version=%s stream ended after %d parts: %s",
+        stream.model_name,
+        stream.model_version,
+        stream.parts_sent,
+        error.message,
+    )
+
+
 Stream = PartStream[Served]
 
 
@@ -71,13 +83,7 @@ async def _rest(
         while (served := await stream.next()) is not None:
             yield encode(served)
     except ServingError as exc:
-        log.info(
-            "model=%s version=%s stream ended after %d parts: %s",
-            stream.model_name,
-            stream.model_version,
-            stream.parts_sent,
-            exc.message,
-        )
+        log_stream_end(stream, exc)
         yield failed(exc)
     finally:
         stream.close()
