@@ -27,6 +27,10 @@ from scriptserve.server.workers.batching import DynamicBatcher, Job
 Entry = list[Any]
 """[deadline, sequence, job or None once removed, batcher, budget_s]: compared by deadline,
 then by the order of arrival (never by the job)."""
+_RESOLUTION_S = 0.001
+"""The event loop's timers fire up to a millisecond early (uvloop's clock counts milliseconds):
+a deadline that near is due, else the timer would be set again and again until the clock
+reaches it."""
 _COMPACT_AT = 256
 """Removed entries the heap may hold before they are dropped at once (when they also outnumber
 the waiting ones)."""
@@ -81,7 +85,7 @@ class Deadlines:
         removed entries on top, and set the timer for the next deadline."""
         self._timer = None
         heap = self._heap
-        now = loop.time()
+        now = loop.time() + _RESOLUTION_S
         while heap:
             entry = heap[0]
             job = entry[2]

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scriptserve.server.rest.connections import LimitedHttpProtocol
+from scriptserve.server.rest.connections import TIMER_RESOLUTION_S, LimitedHttpProtocol
 from scriptserve.server.rest.protocol_routes import InferenceHttpProtocol, ProtocolRoutes
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class HttpConnections:
         header timeout."""
         self._sweep = None
         limit = self.limits.keepalive_timeout_s
-        now = loop.time()
+        now = loop.time() + TIMER_RESOLUTION_S
         stale: list[LimitedHttpProtocol] = []
         next_at: float | None = None
         for connection, since in self.idle.items():

@@ -51,6 +51,10 @@ LINGER_S = 1.0
 LINGER_BYTES = 1 << 20
 """Most bytes read and dropped while lingering; then the connection is closed at once."""
 _HEAD_END = b"\r\n\r\n"
+TIMER_RESOLUTION_S = 0.001
+"""The event loop's timers fire up to a millisecond early (uvloop's clock counts milliseconds):
+a timeout that near has passed, else its timer would be set again and again until the clock
+reaches it."""
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -244,7 +248,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing() or not self._in_body:
             return
-        waited = self.loop.time() - self._body_at
+        waited = self.loop.time() + TIMER_RESOLUTION_S - self._body_at
         if self.flow.read_paused or waited < self._body_timeout_s:
             # Paused: the app has not taken what arrived yet, the client is not to blame.
             delay = self._body_timeout_s if self.flow.read_paused else self._body_timeout_s - waited

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+import uvloop
 
 from scriptserve.handlers.base import InferenceRequest
 from scriptserve.server.errors import DeadlineExceeded
@@ -94,3 +95,28 @@ def test_a_deadline_set_on_another_loop_is_kept_on_the_new_one() -> None:
 
     asyncio.run(abandoned())
     assert asyncio.run(one()) <= 0.5
+
+
+def test_a_timer_that_fires_early_is_not_set_again_and_again() -> None:
+    """uvloop's timers fire up to a millisecond before their time (its clock counts
+    milliseconds); a deadline that near is due, so each deadline takes one turn of the timer,
+    not one turn per loop iteration until the clock reaches it (about a hundred each before)."""
+    turns = 0
+
+    class Counted(Deadlines):
+        def _due(self, loop: asyncio.AbstractEventLoop) -> None:
+            nonlocal turns
+            turns += 1
+            super()._due(loop)
+
+    async def run() -> None:
+        deadlines = Counted()
+        batcher = DynamicBatcher(max_batch_size=4, max_batch_delay_s=0, max_queue_size=100)
+        for i in range(20):
+            job = queued(batcher, 1)
+            deadlines.add(job, batcher, 0.0034 + i * 0.0001)  # between two of the clock's ticks
+            with pytest.raises(DeadlineExceeded):
+                await job.future
+
+    uvloop.run(run())
+    assert turns <= 20 + 2, turns
