@@ -99,7 +99,8 @@ class Deadlines:
             heapq.heappop(heap)
             batcher = entry[3]
             entry[2] = entry[3] = None  # out of the heap: a later `remove` finds nothing to do
-            expire(job, batcher, entry[4])
+            if job.future.get_loop() is loop:  # else its loop has ended, and nobody waits for it
+                expire(job, batcher, entry[4])
 
 
 def expire(job: Job, batcher: DynamicBatcher, timeout_s: float) -> None:
