@@ -163,12 +163,22 @@ def current_request_id() -> str | None:
 
 
 def _plain(record: AccessRecord, when: str) -> str:
-    return escape_controls(
+    """The plain line of `record`, its control characters not yet escaped (`_escaped`)."""
+    return (
         f'{when} {record.client} "{record.method} {record.path}" {record.protocol} '
         f"model={record.model} version={record.version} status={record.status} "
         f"bytes={record.bytes_sent} latency_ms={record.latency_ms:.2f} "
         f"request_id={record.request_id}"
     )
+
+
+def _escaped(lines: list[str]) -> list[str]:
+    """Plain `lines` with every control character escaped (`escape_controls`), so each stays
+    one line. A flush's lines are checked together, one scan in C of them joined: almost every
+    line is printable, and a check per line cost more than formatting it."""
+    if "".join(lines).isprintable():
+        return lines
+    return [escape_controls(line) for line in lines]
 
 
 _ESCAPED: dict[str, str] = {}
@@ -217,6 +227,8 @@ class AccessLog:
     def __init__(self, destination: str = "off", fmt: AccessFormat = "plain") -> None:
         self.enabled = destination != "off"
         self._format = _json if fmt == "json" else _plain
+        self._escape = fmt != "json"
+        """The plain lines' control characters are escaped (JSON strings escape their own)."""
         self._pending: deque[AccessRecord] = deque()
         self._write_lock = threading.Lock()
         """Keeps flushes, and so the lines, in order."""
@@ -279,6 +291,8 @@ class AccessLog:
             for _ in range(count):
                 record = pending.popleft()
                 lines.append(fmt(record, when(record.ended)))
+            if self._escape:
+                lines = _escaped(lines)
             lines.append("")
             data = "\n".join(lines).encode("utf-8", "backslashreplace")
             try:

@@ -222,16 +222,21 @@ def test_server_logs_are_json_lines(logged: tuple[ServerProcess, Path]) -> None:
 
 
 def test_plain_lines_are_single_lines(tmp_path: Path) -> None:
+    # Written together with clean lines, the forged one is escaped and they are left as they are.
     access = AccessLog(str(tmp_path / "access.log"), "plain")
+    paths = ["/v2/models/a", "/v2/models/a\nFORGED 200", "/v2/models/\u00e9t\u00e9\x1b[2J"]
     try:
-        record = AccessRecord("GET", "/v2/models/a\nFORGED 200", "127.0.0.1:1", "rest", "id-1")
-        record.finish(404)
-        access.write(record)
+        for i, path in enumerate(paths):
+            record = AccessRecord("GET", path, "127.0.0.1:1", "rest", f"id-{i}")
+            record.finish(404)
+            access.write(record)
     finally:
         access.close()
-    text = (tmp_path / "access.log").read_text()
-    assert text.count("\n") == 1
-    assert '"GET /v2/models/a\\nFORGED 200" rest' in text and "status=404" in text
+    lines = (tmp_path / "access.log").read_text().splitlines()
+    assert len(lines) == 3 and all("status=404" in line for line in lines), lines
+    assert '"GET /v2/models/a" rest' in lines[0]
+    assert '"GET /v2/models/a\\nFORGED 200" rest' in lines[1]
+    assert '"GET /v2/models/\u00e9t\u00e9\\x1b[2J" rest' in lines[2]
 
 
 def test_a_loopback_proxys_forwarded_client_is_logged(logged: tuple[ServerProcess, Path]) -> None:
