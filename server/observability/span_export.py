@@ -15,14 +15,13 @@ an export once `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans (512) are waiting, or
 the collector work of its own, whatever its size.
 
 The loop never waits on the exporter. The exporter reads no more while it exports, so a slow
-collector fills the pipe and then the server's queue: the spans of at most
-`OTEL_BSP_MAX_QUEUE_SIZE` spans' worth of requests wait to be sent (`MAX_QUEUED_SPANS` when it
-is unset: 2,048 requests of eight spans), and a request whose spans would not fit is dropped,
-counted and logged (the one place where spans are dropped, as the SDK's batch span processor
-drops spans from a queue of that size). The exporter is started on the
-first record and started again (at most once every `RESTART_INTERVAL_S`) when it exits; records
-wait in the queue meanwhile. It exits when its stdin closes, at `close` or when the server is
-gone, after exporting what it holds.
+collector fills the pipe and then the server's queue: at most `OTEL_BSP_MAX_QUEUE_SIZE`
+spans wait there to be sent (`MAX_QUEUED_SPANS` when it is unset: 2,048 requests of eight
+spans), and a request whose spans would not fit is dropped whole, counted and logged (the one
+place where spans are dropped, as the SDK's batch span processor drops spans from a queue of
+that size). The exporter is started on the first record and started again (at most once every
+`RESTART_INTERVAL_S`) when it exits; records wait in the queue meanwhile. It exits when its
+stdin closes, at `close` or when the server is gone, after exporting what it holds.
 
 A `SpanRecord`:
 
