@@ -32,7 +32,9 @@ Steps, each timed and recorded; a failed step is recorded and the next ones stil
    the longest.
 
 Writes benchmarks/results/gpu-<date>.json (with `--dry-run`, build/gpu-check/gpu-dry-run.json)
-and exits 1 when a step failed. Only the standard library is imported before `install`.
+and exits 1 when a step failed. SIGTERM (a time limit's `timeout`) stops the check: the step
+that ran is recorded as stopped, its commands and servers are ended, and it exits 143. Only
+the standard library is imported before `install`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -100,6 +103,17 @@ class StepFailed(RuntimeError):
         self.found = found
 
 
+class Stopped(BaseException):
+    """SIGTERM arrived (a time limit's `timeout`, the machine going away): the step that runs
+    is recorded as stopped and no further step runs. A BaseException, so that no step's own
+    handling takes it for a failure of the step's; on its way out it ends what the step started
+    (`subprocess.run` kills its command, a server's `with` block stops the server)."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
 class Check:
     """The steps' results, in the order they ran."""
 
@@ -129,6 +143,12 @@ class Check:
         except (Exception, SystemExit) as exc:  # a command-line tool's exit fails the step only
             record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc()
+        except Stopped as exc:
+            self._record(name, {"ok": False, "error": str(exc)}, started)
+            raise
+        self._record(name, record, started)
+
+    def _record(self, name: str, record: dict[str, Any], started: float) -> None:
         record["seconds"] = round(time.perf_counter() - started, 1)
         self.steps[name] = record
         state = "ok" if record["ok"] else f"FAILED: {record['error']}"
@@ -681,6 +701,25 @@ def main(argv: list[str] | None = None) -> int:
         WORK / "gpu-dry-run.json" if args.dry_run else RESULTS / f"gpu-{check.when}.json"
     )
     WORK.mkdir(parents=True, exist_ok=True)
+    return stoppable(check, lambda: _steps(check, args))
+
+
+def stoppable(check: Check, steps: Callable[[], int]) -> int:
+    """What `steps()` returns, unless SIGTERM stops them: then the step that ran is recorded as
+    stopped, what it started is ended, the results file says how far the check got, and the
+    exit code is 143, as for a process SIGTERM ends."""
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return steps()
+    except Stopped as stopped:
+        print(f"[gpu-check] {stopped}; results: {check.out}", flush=True)
+        assert check.out is not None
+        check.write(check.out)
+        return 128 + signal.SIGTERM
+
+
+def _steps(check: Check, args: argparse.Namespace) -> int:
+    """The steps in their order (see the module); 0 when every step was ok."""
     # Installing comes first: torch, once imported, would not see a numpy installed after it.
     check.step("install", check.install)
     check.step("environment", check.environment)

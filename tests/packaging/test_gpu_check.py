@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
+from unittest.mock import ANY
 
 import distribution
+import psutil
 
 from benchmarks import gpu_check
 
@@ -101,3 +106,50 @@ def test_each_step_is_written_as_it_ends_and_an_exit_fails_only_its_step(tmp_pat
     assert written["ok"] is False and written["error"] == "served: mlp_pt2 failed"
     assert written["mlp_ts"] == {"mean_batch": 4.0}
     assert written["mlp_pt2"] == {"error": "exited -11"}
+
+
+STOPPED_CHECK = """
+import subprocess, sys
+from pathlib import Path
+from benchmarks import gpu_check
+
+check = gpu_check.Check(dry_run=True, wheels=None, seconds=0.1)
+check.out = Path(sys.argv[1])
+
+
+def served():
+    subprocess.run(["sleep", "60"], check=True)  # a step's command, as a server or pytest is
+    return {}
+
+
+def steps():
+    check.step("archives", lambda: {})
+    check.step("served", served)
+    check.step("tests", lambda: {})
+    return 0
+
+
+sys.exit(gpu_check.stoppable(check, steps))
+"""
+
+
+def test_a_check_stopped_by_sigterm_ends_what_it_started_and_says_how_far_it_got(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "gpu.json"
+    check = subprocess.Popen([sys.executable, "-c", STOPPED_CHECK, str(out)], cwd=distribution.REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := psutil.Process(check.pid).children()):
+            assert time.monotonic() < deadline and check.poll() is None, "no step started"
+            time.sleep(0.05)
+        (command,) = children
+        check.send_signal(signal.SIGTERM)
+        assert check.wait(timeout=30) == 143
+    finally:
+        check.kill()
+    assert not command.is_running()  # killed and reaped, not left behind
+    steps = json.loads(out.read_text())["steps"]
+    assert list(steps) == ["archives", "served"]  # no step after the stopped one
+    assert steps["archives"]["ok"] is True
+    assert steps["served"] == {"ok": False, "error": "stopped by SIGTERM", "seconds": ANY}
