@@ -7,18 +7,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from serving import run_command
 from testmodels import save_onnx, save_torchscript
 
 from scriptserve.archiver.archive import open_archive
 
-# Slow: model-archiver's CLI in a process per test.
-pytestmark = pytest.mark.slow
-
 
 def model_archiver(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["model-archiver", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    """The `model-archiver` command, forked (serving.run_command); the first test runs the
+    installed script itself."""
+    return run_command("model-archiver", *args)
 
 
 def assert_error(done: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -65,7 +63,10 @@ def args(models: Path, store: Path, model: str = "tiny.pt", *extra: str) -> list
 
 def test_success_prints_the_archive_path(models: Path, tmp_path: Path) -> None:
     sample = str(models / "sample.json")
-    done = model_archiver(*args(models, tmp_path, "tiny.pt", "--sample-input", sample))
+    argv = args(models, tmp_path, "tiny.pt", "--sample-input", sample)
+    done = subprocess.run(
+        ["model-archiver", *argv], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "tiny.mar")
     with open_archive(tmp_path / "tiny.mar") as reader:

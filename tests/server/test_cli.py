@@ -9,12 +9,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from serving import run_command
 from testmodels import reference_output, save_onnx, save_torchscript
 
 from scriptserve import __version__
@@ -27,9 +27,9 @@ EXPECTED = reference_output(np.asarray([SAMPLE], dtype=np.float32))[0]
 
 
 def scriptserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["scriptserve", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    """The `scriptserve` command, forked (serving.run_command); the store fixture runs the
+    installed script itself once."""
+    return run_command("scriptserve", *args)
 
 
 def assert_error(done: subprocess.CompletedProcess[str], prog: str, *needles: str) -> str:
@@ -66,7 +66,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--archive-format", fmt,
         ]  # fmt: skip
         if fmt == "default":
-            done = scriptserve(*argv)
+            done = subprocess.run(
+                ["scriptserve", *argv], capture_output=True, text=True, timeout=120, check=False
+            )
             assert done.returncode == 0, done.stderr
             assert done.stdout == f"{root / 'store' / 'tiny.mar'}\n"
         else:  # in-process, to keep the suite fast: one subprocess shows the exit code
@@ -349,23 +351,8 @@ def test_serve_refuses_a_model_store_that_is_not_a_directory_before_binding_a_po
         # The inference port is taken: a server that bound ports first would fail on it instead.
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "scriptserve",
-                "serve",
-                "--model-store",
-                str(store),
-                "--inference-address",
-                f"127.0.0.1:{taken.getsockname()[1]}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-            cwd=tmp_path,
-        )
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = scriptserve("serve", "--model-store", str(store), "--inference-address", address)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from serving import run_command
 
 from scriptserve.server.settings import load_settings
 
@@ -116,7 +115,6 @@ def test_log_level_is_one_of_loggings_names_in_any_case() -> None:
     assert "'debug', 'info', 'warning' or 'error'" in str(info.value)
 
 
-@pytest.mark.slow
 def test_serve_with_bad_settings_exits_1_with_one_line(tmp_path: Path) -> None:
     cases = [
         (["--max-batch-size", "0"], "max_batch_size"),
@@ -125,13 +123,8 @@ def test_serve_with_bad_settings_exits_1_with_one_line(tmp_path: Path) -> None:
         (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
     ]
     for args, named in cases:
-        result = subprocess.run(
-            [sys.executable, "-m", "scriptserve", "serve", "--model-store", str(tmp_path), *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=tmp_path,
+        result = run_command(
+            "scriptserve", "serve", "--model-store", str(tmp_path), *args, cwd=tmp_path
         )
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr

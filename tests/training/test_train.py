@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from serving import run_command
 from torch.utils.data import DataLoader
 
 from scriptserve.training import data
@@ -203,31 +204,9 @@ def test_cli_refuses_unknown_format_before_training(tmp_path: Path) -> None:
 
 
 def test_scriptserve_train_runs_the_training_cli(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scriptserve",
-            "train",
-            "--model",
-            "mlp",
-            "--epochs",
-            "1",
-            "--train-limit",
-            "200",
-            "--formats",
-            "torchscript",
-            "--name",
-            "tiny-digits",
-            "--out",
-            str(tmp_path),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    argv = "train --model mlp --epochs 1 --train-limit 200 --formats torchscript --no-progress"
+    argv += " --name tiny-digits"
+    proc = run_command("scriptserve", *argv.split(), "--out", str(tmp_path), timeout_s=240)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "tiny-digits-torchscript.mar")
     assert "epoch 1/1" in proc.stderr
