@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from serving import run_command
 from testmodels import save_torchscript
 
 from scriptserve.archiver.archive import ArchiveError, open_archive, sha256_file
@@ -386,13 +387,7 @@ def test_corrupt_archive_is_an_archive_error(scene: Scene, make: Callable[[Scene
     assert list(scene.work.iterdir()) == [scene.dest]
     assert snapshot(scene.tmp) == before
 
-    done = subprocess.run(
-        ["scriptserve", "archive", "verify", str(archive)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_command("scriptserve", "archive", "verify", str(archive))
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith(f"scriptserve archive: error: {archive.name}: ")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ArchiveFactory
+from serving import run_command
 
 from scriptserve.archiver.archive import ArchiveError, VerifyReport, open_archive, verify_archive
 
@@ -67,9 +68,7 @@ TAMPERING = [
 
 
 def scriptserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["scriptserve", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    return run_command("scriptserve", *args)
 
 
 @pytest.mark.parametrize("fmt", ["default", "zip-store", "no-archive", "tgz"])
