@@ -172,6 +172,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     # -- parser callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        """uvicorn's, less the request's ASGI scope (a dict of nine keys and a copy of the app
+        state): the routes the protocol answers itself never read it, and a request that goes
+        to an ASGI app gets it when its head is complete (`_begin_request`)."""
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
     def on_headers_complete(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -185,7 +193,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             cycle.keep_alive = False
 
     def _begin_request(self) -> None:
-        """Start the request whose head was just read: uvicorn's ASGI cycle."""
+        """Start the request whose head was just read: uvicorn's ASGI cycle, given the scope
+        uvicorn's `on_message_begin` makes (which resets what the head's callbacks read)."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
