@@ -178,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for label, python, env in served:
                     for copy in copies(label, args.servers):
+                        own = env
+                        if "SCRIPTSERVE_ACCESS_LOG" in env:  # a file each, not lines interleaved
+                            log = Path(tmp) / f"access-{copy.replace('#', '-')}.log"
+                            own = {**env, "SCRIPTSERVE_ACCESS_LOG": str(log)}
                         # Started as soon as its ports are chosen: chosen all first, a port
                         # let go of by one choice can be handed to the next.
-                        servers[copy] = server(copy, python, store, env)
+                        servers[copy] = server(copy, python, store, own)
                         servers[copy].__enter__()
                 pids = [sink.pid] + [s.proc.pid for s in servers.values() if s.proc is not None]
                 runs = alternate(
