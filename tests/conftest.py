@@ -156,6 +156,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         headstart.start(pt2models.HEAD_START, build)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How long each head start took, and how long the tests waited for it."""
+    lines = headstart.summary()
+    if lines:
+        terminalreporter.write_sep("-", "head starts")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def installed() -> Iterator[tuple[Path, str]]:
     """The wheel installed as the GPU image installs it (distribution.gpu_layer): the fresh

@@ -7,7 +7,8 @@ minutes and half minutes of CPU, in a child process each. `start` runs such a jo
 as soon as collection shows a test that will need it; the fixture then calls `result`, which
 waits for the job (or runs it there and then when nothing started it). The thread lowers its
 own scheduling priority before it starts any process, and children inherit it: timed tests
-running meanwhile keep the CPU.
+running meanwhile keep the CPU. `summary` says, at the end of the run, how long each took and
+how long the tests waited for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -26,6 +28,11 @@ T = TypeVar("T")
 NICENESS = 15
 _jobs: dict[str, Future[object]] = {}
 _lock = threading.Lock()
+_took: dict[str, tuple[float, float]] = {}
+"""Each job's start and end (time.monotonic())."""
+_waited: dict[str, float] = {}
+"""The seconds a fixture waited for each job's result."""
+_began = time.monotonic()
 
 
 def _run(name: str, job: Callable[[], object], future: Future[object]) -> None:
@@ -33,10 +40,13 @@ def _run(name: str, job: Callable[[], object], future: Future[object]) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
     except OSError as error:  # not permitted: run at normal priority
         log.info("headstart %s runs at normal priority: %s", name, error)
+    began = time.monotonic()
     try:
         future.set_result(job())
     except BaseException as error:
         future.set_exception(error)
+    finally:
+        _took[name] = (began, time.monotonic())
 
 
 def start(name: str, job: Callable[[], object]) -> None:
@@ -57,10 +67,28 @@ def result(name: str, job: Callable[[], T], timeout_s: float = 1800) -> T:
         future = _jobs.get(name)
     if future is None:
         return job()
-    value = future.result(timeout=timeout_s)
+    began = time.monotonic()
+    try:
+        value = future.result(timeout=timeout_s)
+    finally:
+        _waited[name] = _waited.get(name, 0.0) + time.monotonic() - began
     return value  # type: ignore[return-value]
 
 
 def started(name: str) -> bool:
     with _lock:
         return name in _jobs
+
+
+def summary() -> list[str]:
+    """A line per head start: when it began and ended (seconds from the session's start), and
+    how long the tests waited for it (what it added to the run's time)."""
+    lines = []
+    for name in sorted(_took, key=lambda n: _took[n][0]):
+        began, ended = _took[name]
+        waited = _waited.get(name, 0.0)
+        lines.append(
+            f"{name}: {ended - began:.0f} s, from {began - _began:.0f} s to {ended - _began:.0f} s;"
+            f" the tests waited {waited:.0f} s for it"
+        )
+    return lines
