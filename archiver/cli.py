@@ -207,6 +207,13 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "stored in the archive and used by the accuracy guard",
     )
     group.add_argument(
+        "--fp32-archive",
+        type=Path,
+        help="with --export-pt2: an archive of this same model made without --quantize, whose "
+        "compiled package the int8 one is measured against instead of one compiled here "
+        "(checked against the model on the sample)",
+    )
+    group.add_argument(
         "--weight-type", default="qint8", choices=["qint8", "quint8"], help="ONNX weight type"
     )
     group.add_argument("--per-channel", action="store_true", help="per-channel weight scales")

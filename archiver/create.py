@@ -30,6 +30,7 @@ from scriptserve.archiver.archive import (
     build_archive,
     collect_files,
 )
+from scriptserve.archiver.fp32_reference import check_fp32_archive_flag, fp32_from_archive
 from scriptserve.archiver.manifest import (
     Manifest,
     ModelFormat,
@@ -281,7 +282,13 @@ def _pt2_model(
     max_batch = flag if exported_program else max_batch_from(flag, config)
     max_seq_len: int | None = getattr(args, "max_seq_len", None)
     precision: str = getattr(args, "precision", "fp32")
-    build = build_package(source, sample, max_batch, dst, device, max_seq_len, precision=precision)
+    reference: Path | None = getattr(args, "fp32_archive", None)
+    if reference is not None:  # an int8 package's fp32 reference, compiled already
+        build = fp32_from_archive(reference, source, sample, flag, max_seq_len, workdir)
+    else:
+        build = build_package(
+            source, sample, max_batch, dst, device, max_seq_len, precision=precision
+        )
     report(build.report)
     return build.package, build.signature, build.info
 
@@ -375,6 +382,7 @@ def _model(
     """The model file to pack (compiled or converted to int8 as asked), its signature, how it
     was quantized and, for a `.pt2`, how it was compiled."""
     quantize = getattr(args, "quantize", "none") != "none"
+    check_fp32_archive_flag(getattr(args, "fp32_archive", None), quantize and fmt == "pt2")
     if quantize:
         _check_quantize(args, fmt, validation)
     eager_source = (

@@ -101,7 +101,9 @@ class Pt2Source:
 
 
 # -- export and compile ---------------------------------------------------------------------
-def _bind(sample: Mapping[str, np.ndarray], names: list[str], what: str) -> dict[str, np.ndarray]:
+def bind_sample(
+    sample: Mapping[str, np.ndarray], names: list[str], what: str
+) -> dict[str, np.ndarray]:
     """Name the sample's arrays by the model's inputs (generic names map in order)."""
     if set(sample) != set(names) and len(sample) == len(names):
         return dict(zip(names, sample.values(), strict=True))
@@ -133,7 +135,7 @@ def export_model(
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         and (p.default is p.empty or p.name in sample)
     ]
-    named = _bind(sample, names, f"forward({', '.join(names)})")
+    named = bind_sample(sample, names, f"forward({', '.join(names)})")
     rows = {a.shape[0] for a in named.values()}
     if len(rows) != 1 or min(rows) > max_batch:
         raise ModelFileError(f"the sample needs one batch size of 1 to {max_batch} rows")
@@ -327,7 +329,7 @@ def build_package(
     options = compile_options() if device == "cpu" else {"freezing": True}
     compile_package(program, dst, options)
     seconds = time.perf_counter() - started
-    named = _bind(sample, list(program.graph_signature.user_inputs), "the exported program")
+    named = bind_sample(sample, list(program.graph_signature.user_inputs), "the exported program")
     with torch.no_grad():
         expected = call_model(model, named, device)
     reference = [t.detach().cpu().numpy() for t in tree_leaves(expected)]

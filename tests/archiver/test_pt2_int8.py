@@ -14,10 +14,12 @@ import torch
 from pt2models import (
     TINY_MAX_BATCH,
     inductor_cache,
+    tiny_archive,
     tiny_int8_archive,
     tiny_package,
     tiny_validation,
 )
+from serving import run_command
 from testmodels import TinyMLP, reference_output
 from torch import nn
 
@@ -28,7 +30,7 @@ from scriptserve.archiver.manifest import Manifest
 from scriptserve.archiver.pt2_check import PackageRunner
 from scriptserve.archiver.pt2_export import compile_package, export_model
 from scriptserve.archiver.pt2_package import lacks_vnni
-from scriptserve.archiver.quantize import quantize_pt2
+from scriptserve.archiver.quantize import quantize_pt2, sha256_of
 
 # Slow: int8 packages compiled through torchao's PT2E flow (10 to 20 s each).
 pytestmark = pytest.mark.slow
@@ -38,7 +40,8 @@ INT8_LINEAR = "aoti_torch_cpu__qlinear_pointwise_tensor"
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=300, check=False)
+    """A console script (`model-archiver`, `scriptserve`) run as its own process."""
+    return run_command(argv[0], *argv[1:], timeout_s=300)
 
 
 def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
@@ -214,6 +217,70 @@ def test_what_int8_cannot_do_is_refused_before_compiling(
     done = run(*eager_argv(tmp_path, sample, *extra))
 
     assert one_line_error(done) == message
+
+
+def test_an_int8_archive_is_measured_against_the_fp32_archive_it_names() -> None:
+    """The tiny int8 archives are made with `--fp32-archive` (tests/pt2models.py): the fp32
+    model they were measured against is the fp32 archive's package, byte for byte."""
+    for mode in ("dynamic-int8", "static-int8"):
+        q = manifest_of(tiny_int8_archive(mode)).scriptserve.quantization  # type: ignore[union-attr]
+        assert q.source_sha256 == sha256_of(tiny_package())
+        assert q.details["validation"]["top1_agreement"] >= 0.98
+
+
+def other_weights(tmp_path: Path) -> Path:
+    """TinyMLP's state dict with every weight changed: the same model, not the same weights."""
+    model = TinyMLP()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-1.5)
+    path = tmp_path / "other.pt"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ("--fp32-archive", "{tiny}"),
+            "--fp32-archive is the fp32 reference of an int8 .pt2 package: give it with "
+            "--export-pt2 and --quantize",
+        ),
+        (
+            ("--quantize", "dynamic-int8", "--fp32-archive", "{int8}"),
+            "--fp32-archive tiny_static_int8.mar is static-int8: give the fp32 CPU archive made "
+            "by this torch release, or leave the flag out to compile the fp32 package here",
+        ),
+        (
+            ("--quantize", "dynamic-int8", "--max-batch", "8", "--fp32-archive", "{tiny}"),
+            f"--max-batch 8, but --fp32-archive tiny_pt2.mar was compiled for {TINY_MAX_BATCH}: "
+            "give the same bound, or none",
+        ),
+        (
+            ("--quantize", "dynamic-int8", "--serialized-file", "{other}"),
+            "--fp32-archive tiny_pt2.mar was not compiled from this model: its answer to the "
+            "sample differs from the model's by up to ",
+        ),
+    ],
+    ids=["without-quantize", "an-int8-archive", "another-bound", "other-weights"],
+)
+def test_an_fp32_archive_that_is_not_this_models_is_refused_before_compiling(
+    extra: tuple[str, ...], message: str, sample: Path, tmp_path: Path
+) -> None:
+    given = {
+        "tiny": str(tiny_archive()),
+        "int8": str(tiny_int8_archive("static-int8")),
+        "other": str(other_weights(tmp_path)),
+    }
+    extra = tuple(arg.format(**given) for arg in extra)
+    if "--serialized-file" in extra:
+        extra += ("--fp32-archive", given["tiny"])
+
+    done = run(*eager_argv(tmp_path, sample, *extra))
+
+    assert one_line_error(done).startswith(message)
+    assert not list(tmp_path.glob("*.mar"))
 
 
 def test_static_int8_is_for_pt2_only(sample: Path, tmp_path: Path) -> None:
