@@ -146,9 +146,8 @@ def run_command(
     else this process's) and folder (`cwd`). With SCRIPTSERVE_TEST_FRESH_SERVERS=1, the installed
     script itself runs."""
     if os.environ.get("SCRIPTSERVE_TEST_FRESH_SERVERS") == "1":
-        command = [script, *args]
         return subprocess.run(
-            command,
+            [script, *args],
             check=False,
             capture_output=True,
             text=True,
