@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import importlib.util
 import json
@@ -712,10 +713,51 @@ def stoppable(check: Check, steps: Callable[[], int]) -> int:
     try:
         return steps()
     except Stopped as stopped:
+        _end_children()
         print(f"[gpu-check] {stopped}; results: {check.out}", flush=True)
         assert check.out is not None
         check.write(check.out)
         return 128 + signal.SIGTERM
+
+
+def _end_children(grace_s: float = 10.0) -> None:
+    """End the child processes a stopped step's own cleanup did not reach: a command that
+    SIGTERM caught between its fork and its exec, before `subprocess.Popen` returned it to
+    anything that would kill it. SIGTERM, then SIGKILL after `grace_s`; each one reaped."""
+    children = _children()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for pid in children:
+        while not _reaped(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _reaped(pid):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # reaped already (by a Popen that did get it)
+        return True
+
+
+def _children() -> list[int]:
+    """This process's child processes, from /proc (no psutil: the check runs before it
+    installs anything)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():  # state, then the parent
+            found.append(int(entry.name))
+    return found
 
 
 def _steps(check: Check, args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from unittest.mock import ANY
 
 import distribution
 import psutil
+import pytest
 
 from benchmarks import gpu_check
 
@@ -109,16 +110,20 @@ def test_each_step_is_written_as_it_ends_and_an_exit_fails_only_its_step(tmp_pat
 
 
 STOPPED_CHECK = """
-import subprocess, sys
+import subprocess, sys, time
 from pathlib import Path
 from benchmarks import gpu_check
 
 check = gpu_check.Check(dry_run=True, wheels=None, seconds=0.1)
 check.out = Path(sys.argv[1])
+starting = sys.argv[2] == "starting"
 
 
 def served():
-    subprocess.run(["sleep", "60"], check=True)  # a step's command, as a server or pytest is
+    # A step's command, as a server or pytest is; "starting": SIGTERM comes while the child,
+    # forked, has not yet run it, and subprocess.run has no Popen to kill.
+    delay = (lambda: time.sleep(1)) if starting else None
+    subprocess.run(["sleep", "60"], check=True, preexec_fn=delay)
     return {}
 
 
@@ -133,11 +138,13 @@ sys.exit(gpu_check.stoppable(check, steps))
 """
 
 
+@pytest.mark.parametrize("command_is", ["running", "starting"])
 def test_a_check_stopped_by_sigterm_ends_what_it_started_and_says_how_far_it_got(
-    tmp_path: Path,
+    command_is: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "gpu.json"
-    check = subprocess.Popen([sys.executable, "-c", STOPPED_CHECK, str(out)], cwd=distribution.REPO)
+    argv = [sys.executable, "-c", STOPPED_CHECK, str(out), command_is]
+    check = subprocess.Popen(argv, cwd=distribution.REPO)
     try:
         deadline = time.monotonic() + 60
         while not (children := psutil.Process(check.pid).children()):
