@@ -1,9 +1,10 @@
-"""The training runs the FSDP tests read (tests/training/test_fsdp.py): `training` launches
-`python -m scriptserve.training` in one process or under torchrun, and `strategy_runs` makes,
-at once, the same seeded run three ways (one process, DDP and FSDP on two gloo ranks), a run
-resumed across world sizes and an elastic restart. They took about 55 s of the suite one after
-another; the `fsdp_runs` fixture's head start (tests/conftest.py) begins them at collection, at
-low priority, while other tests wait on servers.
+"""The training runs the FSDP and torchrun tests read (tests/training/test_fsdp.py,
+test_distributed.py): `training` launches `python -m scriptserve.training` in one process or
+under torchrun, and `strategy_runs` makes, at once, the same seeded run three ways (one
+process, DDP and FSDP on two gloo ranks), a run resumed across world sizes and elastic
+restarts. They took about 55 s of the suite one after another (the torchrun tests' own runs 20 to
+60 s more); the `fsdp_runs` fixture's head start (tests/conftest.py) begins them at collection,
+at low priority, while other tests run.
 """
 
 from __future__ import annotations
@@ -112,16 +113,37 @@ def restarted_run(out: Path) -> Run:
     )
 
 
+def elastic_run(out: Path, *extra: str) -> Run:
+    """DDP (the default strategy) on one rank under an elastic launcher that allows one
+    restart."""
+    launcher = (
+        "--nnodes=1:2",
+        "--nproc_per_node=1",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-conf=last_call_timeout=1",
+    )
+    return training(out, *extra, ranks=1, launcher=launcher)
+
+
 def strategy_runs(root: Path) -> dict[str, Any]:
-    """Every run the FSDP tests read, at once (each launcher on a port of its own), so that
-    one's imports and rendezvous overlap another's training: the same seeded training in one
-    process, DDP and FSDP on two gloo ranks; the resumed runs; the elastic restart."""
-    with ThreadPoolExecutor(5) as pool:
+    """Every run the FSDP and torchrun tests read (test_fsdp.py, test_distributed.py), at once
+    (each launcher on a port of its own), so that one's imports and rendezvous overlap
+    another's training: the same seeded training in one process, DDP (its ranks' weight
+    digests written) and FSDP on two gloo ranks; the resumed runs; the elastic restarts, FSDP
+    on two ranks and DDP on one, with the DDP run it must end like."""
+    ddp = (*TWO_RANKS, "--strategy", "ddp", "--digest-dir", str(root / "ddp" / "digests"))
+    with ThreadPoolExecutor(7) as pool:
         runs = {
             "one process": pool.submit(training, root / "one", *ONE_PROCESS, ranks=1),
-            "ddp": pool.submit(training, root / "ddp", *TWO_RANKS, "--strategy", "ddp", ranks=2),
+            "ddp": pool.submit(training, root / "ddp", *ddp, ranks=2),
             "fsdp": pool.submit(training, root / "fsdp", *TWO_RANKS, "--strategy", "fsdp", ranks=2),
             "resumed": pool.submit(resumed_runs, root / "resumed"),
             "restarted": pool.submit(restarted_run, root / "restarted"),
+            "elastic ddp": pool.submit(elastic_run, root / "elastic"),
+            "elastic ddp restarted": pool.submit(
+                elastic_run, root / "elastic-restarted", "--fail-once-at-epoch", "1"
+            ),
         }
         return {name: future.result() for name, future in runs.items()}
