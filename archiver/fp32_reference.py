@@ -25,7 +25,7 @@ import numpy as np
 from scriptserve.archiver.archive import ArchiveError, open_archive
 from scriptserve.archiver.manifest import Manifest, Pt2Info
 from scriptserve.archiver.model_source import load_eager_model, load_exported_program
-from scriptserve.archiver.pt2_check import Pt2Build, call_model, check_package
+from scriptserve.archiver.pt2_check import Pt2Build, check_package, model_outputs
 from scriptserve.archiver.pt2_export import Pt2Source, bind_sample
 
 SAME_MODEL = 1e-3
@@ -106,18 +106,15 @@ def _usable(name: str, manifest: Manifest) -> Pt2Info:
             f"--fp32-archive {name} holds no .pt2 package: give an archive made with "
             "--export-pt2 (or of an ExportedProgram)"
         )
-    quantization = described.quantization
-    refused = (
-        f"is {quantization.mode}"
-        if quantization.quantized
-        else f"computes in {info.precision}"
-        if info.precision != "fp32"
-        else f"is compiled for {info.target.device}"
-        if info.target.device != "cpu"
-        else f"was compiled by torch {info.torch_version}, this is torch {torch.__version__}"
-        if info.torch_version != torch.__version__
-        else None
-    )
+    refused = None
+    if described.quantization.quantized:
+        refused = f"is {described.quantization.mode}"
+    elif info.precision != "fp32":
+        refused = f"computes in {info.precision}"
+    elif info.target.device != "cpu":
+        refused = f"is compiled for {info.target.device}"
+    elif info.torch_version != torch.__version__:
+        refused = f"was compiled by torch {info.torch_version}, this is torch {torch.__version__}"
     if refused is not None:
         raise ArchiveError(
             f"--fp32-archive {name} {refused}: give the fp32 CPU archive made by this torch "
@@ -128,13 +125,8 @@ def _usable(name: str, manifest: Manifest) -> Pt2Info:
 
 def _model_output(source: Pt2Source, named: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """The model's outputs on `named`, as the compile checks its package against."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     if source.model_file is not None:
         model = load_eager_model(source.model_file, source.weights, source.model_class)
     else:
         model = load_exported_program(source.weights).module()
-    with torch.no_grad():
-        expected = call_model(model, named)
-    return [t.detach().cpu().numpy() for t in tree_leaves(expected)]
+    return model_outputs(model, named)

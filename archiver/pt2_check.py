@@ -64,6 +64,19 @@ def call_model(model: Any, named: Mapping[str, np.ndarray], device: str = "cpu")
     return model(**tensors)
 
 
+def model_outputs(
+    model: Any, named: Mapping[str, np.ndarray], device: str = "cpu"
+) -> list[np.ndarray]:
+    """`model`'s outputs on the named arrays (`call_model`, without autograd), as numpy arrays
+    in order: what a compiled package's answer is checked against."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    with torch.no_grad():
+        expected = call_model(model, named, device)
+    return [t.detach().cpu().numpy() for t in tree_leaves(expected)]
+
+
 REDUCED_AT_BOUND = 0.05
 """How far, relative to the outputs' norm, a reduced-precision package may answer from the
 eager model in the same precision at its batch bound (`check_at_bound`)."""

@@ -36,7 +36,12 @@ import numpy as np
 from scriptserve.archiver.model_file import ModelFileError, error_line
 from scriptserve.archiver.model_source import load_eager_model, load_exported_program
 from scriptserve.archiver.precision import reduced
-from scriptserve.archiver.pt2_check import Pt2Build, call_model, check_at_bound, check_package
+from scriptserve.archiver.pt2_check import (
+    Pt2Build,
+    check_at_bound,
+    check_package,
+    model_outputs,
+)
 from scriptserve.archiver.pt2_package import is_exported_program, portable_march
 from scriptserve.handlers.runtime.aoti import SHARED_CXX_RUNTIME
 
@@ -320,9 +325,6 @@ def build_package(
     fp32). An eager model is exported for batches of 1 to `max_batch` (None:
     DEFAULT_MAX_BATCH) and sequences of 1 to `max_seq_len` (see `load_source`); an
     ExportedProgram keeps its own dynamic shapes, and `max_batch` may only lower its bound."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     started = time.perf_counter()
     loaded = load_source(source, sample, max_batch, device, max_seq_len, precision=precision)
     model, program, kind = loaded.module, loaded.program, loaded.kind
@@ -330,9 +332,7 @@ def build_package(
     compile_package(program, dst, options)
     seconds = time.perf_counter() - started
     named = bind_sample(sample, list(program.graph_signature.user_inputs), "the exported program")
-    with torch.no_grad():
-        expected = call_model(model, named, device)
-    reference = [t.detach().cpu().numpy() for t in tree_leaves(expected)]
+    reference = model_outputs(model, named, device)
     bound = program_batch_bound(program)
     if kind == "exported-program" and max_batch is not None:
         bound = min(bound or max_batch, max_batch)
