@@ -317,7 +317,7 @@ class ModelMemory:
 
     async def _load_for_requests(self, mv: ModelVersion) -> None:
         try:
-            await self.load(mv, mv.settings.workers)
+            await self._load(mv, mv.settings.workers)  # the requests counted as its use
         except ServingError as exc:
             mv.pool.fail_queued(exc)
         except Exception as exc:  # a handler that cannot load: the waiting requests' answer
@@ -332,7 +332,13 @@ class ModelMemory:
     async def load(self, mv: ModelVersion, workers: int) -> None:
         """Start `workers` workers for a version that has none, within the budget (unloading
         idle versions to make room), and measure what they hold. Raises BudgetFull, or what
-        starting a worker raises (HandlerError, ServingError)."""
+        starting a worker raises (HandlerError, ServingError). Being asked to load is a use
+        of the version, as a request is: when it was asked, not when the load ended, which
+        can be after requests to other versions."""
+        mv.residency.last_used = time.monotonic()
+        await self._load(mv, workers)
+
+    async def _load(self, mv: ModelVersion, workers: int) -> None:
         residency = mv.residency
         async with self._lock:
             if mv.unloading or mv.pool.size > 0:
@@ -354,7 +360,6 @@ class ModelMemory:
             residency.resident_bytes = residency.estimate_bytes = measured
             residency.parked = False
             residency.loads += 1
-            residency.last_used = time.monotonic()
             await self._shed(mv)
         self.metrics.model_loads.labels(mv.name, mv.version).inc()
         self.metrics.model_load_seconds.observe(seconds)

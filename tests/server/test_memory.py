@@ -121,6 +121,24 @@ async def test_the_least_recently_used_idle_model_makes_room(node: Node) -> None
     assert node.registry.get("m1").residency.loads == 2
 
 
+async def test_a_model_is_used_when_asked_for_not_when_its_load_ends(node: Node) -> None:
+    """m1's load ends after m0 was asked for (its first worker answers before the load's
+    bookkeeping is done): m1 is still the least recently used, as it was asked for first."""
+    await node.register(4)
+    assert await node.ask("m0") == 0
+    first = asyncio.create_task(node.ask("m1"))
+    await asyncio.sleep(0)  # m1 asked for: its load starts
+    assert node.registry.get("m1").residency.loading is not None
+    assert await node.ask("m0") == 0  # asked for while m1 loads
+    assert await first == 1
+    node.memory.budget_bytes = node.memory.used_bytes() + int(MODEL_MIB * MIB * 0.5)
+
+    assert await node.ask("m2") == 2
+
+    assert node.residence("m1") is Residence.UNLOADED
+    assert node.residence("m0") is Residence.LOADED
+
+
 async def test_a_pinned_model_is_never_the_one_unloaded(node: Node) -> None:
     await node.register(3)
     await node.registry.load(node.settings.model_store / "m3", overrides={"evictable": False})
