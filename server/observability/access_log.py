@@ -59,14 +59,19 @@ def usable_request_id(value: str | None) -> str | None:
     return value
 
 
+Peer = tuple[str, int]
+"""A client's address and port, as the transports have it."""
+
+
 class AccessRecord:
-    """One request as the access log writes it; the transport and the data plane fill it in."""
+    """One request as the access log writes it; the transport and the data plane fill it in.
+    It keeps the values as they come (the client's address as the transport has it, two
+    readings of one clock): the log's writer makes the line of them, off the event loop."""
 
     __slots__ = (
         "bytes_sent",
         "client",
-        "ended",
-        "latency_ms",
+        "finished",
         "method",
         "model",
         "path",
@@ -79,11 +84,17 @@ class AccessRecord:
     )
 
     def __init__(
-        self, method: str, path: str, client: str, protocol: str, request_id: str | None = None
+        self,
+        method: str,
+        path: str,
+        client: str | Peer | None,
+        protocol: str,
+        request_id: str | None = None,
     ) -> None:
         self.method = method
         self.path = path
         self.client = client
+        """As text (`host:port`), or the transport's address and port, or None (unknown)."""
         self.protocol = protocol
         self.request_id = request_id
         self.model = "-"
@@ -92,9 +103,8 @@ class AccessRecord:
         """The HTTP status, or the gRPC code's name."""
         self.bytes_sent = 0
         self.started = time.perf_counter()
-        self.latency_ms = 0.0
-        self.ended = 0.0
-        """time.time() when it finished: the time its line shows."""
+        self.finished = 0.0
+        """time.perf_counter() when it finished: its latency, and the time its line shows."""
         self.pinned = False
         """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
@@ -117,8 +127,7 @@ class AccessRecord:
 
     def finish(self, status: int | str) -> None:
         self.status = status
-        self.latency_ms = (time.perf_counter() - self.started) * 1e3
-        self.ended = time.time()
+        self.finished = time.perf_counter()
         if self.request_id is None:
             self.request_id = new_request_id()
 
@@ -162,12 +171,18 @@ def current_request_id() -> str | None:
     return None if record is None else record.request_id
 
 
+def _client(client: str | Peer | None) -> str:
+    if isinstance(client, str):
+        return client
+    return "-" if client is None else f"{client[0]}:{client[1]}"
+
+
 def _plain(record: AccessRecord, when: str) -> str:
     """The plain line of `record`, its control characters not yet escaped (`_escaped`)."""
     return (
-        f'{when} {record.client} "{record.method} {record.path}" {record.protocol} '
+        f'{when} {_client(record.client)} "{record.method} {record.path}" {record.protocol} '
         f"model={record.model} version={record.version} status={record.status} "
-        f"bytes={record.bytes_sent} latency_ms={record.latency_ms:.2f} "
+        f"bytes={record.bytes_sent} latency_ms={(record.finished - record.started) * 1e3:.2f} "
         f"request_id={record.request_id}"
     )
 
@@ -200,12 +215,13 @@ def _json(record: AccessRecord, when: str) -> str:
     status = record.status
     request_id = "null" if record.request_id is None else _json_string(record.request_id)
     return (
-        f'{{"time": "{when}", "client": {_string(record.client)}, '
+        f'{{"time": "{when}", "client": {_string(_client(record.client))}, '
         f'"method": {_string(record.method)}, "path": {_string(record.path)}, '
         f'"protocol": {_string(record.protocol)}, "model": {_string(record.model)}, '
         f'"version": {_string(record.version)}, '
         f'"status": {status if isinstance(status, int) else _string(status)}, '
-        f'"bytes": {record.bytes_sent}, "latency_ms": {record.latency_ms:.3f}, '
+        f'"bytes": {record.bytes_sent}, '
+        f'"latency_ms": {(record.finished - record.started) * 1e3:.3f}, '
         f'"request_id": {request_id}}}'
     )
 
@@ -268,7 +284,8 @@ class AccessLog:
             self._due.set()
 
     def _time(self, wall: float) -> str:
-        """`wall` (time.time()) in UTC, ISO 8601 to the millisecond (made once a millisecond)."""
+        """`wall` (seconds since the epoch) in UTC, ISO 8601 to the millisecond (made once a
+        millisecond)."""
         millisecond = int(wall * 1000)
         if millisecond != self._millisecond:
             self._millisecond = millisecond
@@ -287,10 +304,13 @@ class AccessLog:
             if not count:
                 return
             fmt, when = self._format, self._time
+            # The records' clock read as the wall clock, as it reads now: a line waits at most
+            # a flush's interval, so the wall clock's own adjustments show within that.
+            wall = time.time() - time.perf_counter()
             lines = []
             for _ in range(count):
                 record = pending.popleft()
-                lines.append(fmt(record, when(record.ended)))
+                lines.append(fmt(record, when(wall + record.finished)))
             if self._escape:
                 lines = _escaped(lines)
             lines.append("")

@@ -2,14 +2,14 @@
 is answered: the inference routes the HTTP protocol answers itself (`protocol_cycle.py` opens an
 `Observation` when it reads the head) and every other route, behind the `Observed` ASGI layer.
 
-An observation opens the request's `AccessRecord` and its server span (the child of the client's
-`traceparent`), is made current while the data plane runs the request (so it notes the model,
-the request id and the queued jobs: server/observability/access_log.py and tracing.py), adds
-`X-Request-Id` and `traceparent` to the answer's head, counts the bytes of the answer and, once
-the answer is sent, writes the access line and ends the span. It is made only while the access
-log or tracing is on (with both off a request pays one attribute test), and reads no more of
-the request than what is on: a request the sampling ratio leaves out, with the access log
-off, costs a scan of its headers and a `traceparent` of its own.
+An observation is the request's `AccessRecord` and holds its server span (the child of the
+client's `traceparent`); it is made current while the data plane runs the request (so it notes
+the model, the request id and the queued jobs: server/observability/access_log.py and
+tracing.py), adds `X-Request-Id` and `traceparent` to the answer's head, counts the bytes of
+the answer and, once the answer is sent, writes the access line and ends the span. It is made
+only while the access log or tracing is on (with both off a request pays one attribute test),
+and reads no more of the request than what is on: a request the sampling ratio leaves out,
+with the access log off, costs a scan of its headers and a `traceparent` of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from scriptserve.handlers.base import new_request_id
 from scriptserve.server.observability import access_log, tracing
-from scriptserve.server.observability.access_log import AccessLog, AccessRecord, usable_request_id
+from scriptserve.server.observability.access_log import (
+    AccessLog,
+    AccessRecord,
+    Peer,
+    usable_request_id,
+)
 from scriptserve.server.observability.tracing import (
     TRACEPARENT,
     TRACESTATE,
@@ -58,7 +63,7 @@ class Observers:
         method: str,
         path: str,
         headers: Headers,
-        peer: tuple[str, int] | None,
+        peer: Peer | None,
         scope: Callable[[], Scope],
     ) -> tuple[Observation | None, bytes]:
         """What the HTTP protocol keeps of a request that arrived now from `peer`: its
@@ -80,15 +85,16 @@ class Observers:
         return Observation(self, method, path, headers, peer, scope), b""
 
 
-class Observation:
-    """One HTTP request as the access log and tracing see it (see the module).
+class Observation(AccessRecord):
+    """One HTTP request as the access log and tracing see it (see the module): its access
+    record (written only while the access log is on: `logged`) and its span.
 
     `noted` says whether the data plane has anything to note in it: False for a request the
     access log does not see and the sampling ratio leaves out, which only gets a `traceparent`
     of its own.
     """
 
-    __slots__ = ("_observers", "_traceparent", "method", "noted", "record", "status", "trace")
+    __slots__ = ("_observers", "_traceparent", "logged", "noted", "trace")
 
     def __init__(
         self,
@@ -96,17 +102,11 @@ class Observation:
         method: str,
         path: str,
         headers: Headers,
-        peer: tuple[str, int] | None,
+        peer: Peer | None,
         scope: Callable[[], Scope],
         root_kept: bool = False,
     ) -> None:
         """`root_kept`: the sampling ratio was applied to this request already, and kept it."""
-        self._observers = observers
-        self.method = method
-        self.status = 500  # what the HTTP server answers when the app raises before answering
-        self.record: AccessRecord | None = None
-        self.trace: tracing.RequestTrace | None = None
-        self._traceparent: bytes | None = None
         given: bytes | None = None
         forwarded = False
         trace_headers: dict[str, str] = {}
@@ -119,13 +119,16 @@ class Observation:
                 else:
                     trace_headers[name.decode("latin-1")] = value.decode("latin-1")
         made: Scope | None = None
-        if observers.access.enabled:
-            if forwarded:
-                made = scope()
-                peer = made.get("client")
-            client = f"{peer[0]}:{peer[1]}" if peer else "-"
-            request_id = None if given is None else usable_request_id(given.decode("latin-1"))
-            self.record = AccessRecord(method, path, client, "rest", request_id)
+        self.logged = logged = observers.access.enabled
+        if logged and forwarded:
+            made = scope()
+            peer = made.get("client")
+        request_id = None if given is None else usable_request_id(given.decode("latin-1"))
+        AccessRecord.__init__(self, method, path, peer, "rest", request_id)
+        self.status = 500  # what the HTTP server answers when the app raises before answering
+        self._observers = observers
+        self.trace: tracing.RequestTrace | None = None
+        self._traceparent: bytes | None = None
         tracer = observers.tracing
         if tracer.enabled:
             left_out = None if trace_headers or root_kept else tracer.left_out_root()
@@ -134,34 +137,40 @@ class Observation:
             else:
                 made = made or scope()
                 self.trace = tracer.start(method, trace_headers, _attributes(made, method))
-        self.noted = self.record is not None or self.trace is not None
+        self.noted = logged or self.trace is not None
 
     def run(self, work: Callable[[], None]) -> None:
         """Run `work` with this request the one the data plane notes in: set in the caller's
         context and reset after, so that what `work` starts (a task, a callback) keeps it and
         a callback of the loop's pays no context of its own."""
-        tokens = access_log.enter(self.record), tracing.enter(self.trace)
+        record = access_log.enter(self) if self.logged else None
+        if self.trace is None:
+            try:
+                work()
+            finally:
+                access_log.leave(record)
+            return
+        trace = tracing.enter(self.trace)
         try:
             work()
         finally:
-            access_log.leave(tokens[0])
-            tracing.leave(tokens[1])
+            access_log.leave(record)
+            tracing.leave(trace)
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[None]:
         """This request the one the data plane notes in, while the block runs."""
-        with access_log.opened(self.record), tracing.opened(self.trace):
+        with access_log.opened(self if self.logged else None), tracing.opened(self.trace):
             yield
 
     def answered(self, status: int) -> list[tuple[bytes, bytes]]:
         """The answer starts with `status`: the header lines to add to its head."""
         self.status = status
         lines: list[tuple[bytes, bytes]] = []
-        record = self.record
-        if record is not None:
-            if record.request_id is None:
-                record.request_id = new_request_id()
-            lines.append((_REQUEST_ID, record.request_id.encode()))
+        if self.logged:
+            if self.request_id is None:
+                self.request_id = new_request_id()
+            lines.append((_REQUEST_ID, self.request_id.encode()))
         if self.trace is not None:
             traceparent = self._observers.tracing.traceparent(self.trace)
             lines.append((_TRACEPARENT, traceparent.encode()))
@@ -171,23 +180,23 @@ class Observation:
 
     def sent(self, size: int) -> None:
         """`size` bytes of the answer's body went out."""
-        if self.record is not None:
-            self.record.bytes_sent += size
+        self.bytes_sent += size
 
     def close(self, route: str | None) -> None:
         """The answer is sent (or the client went away): write the access line and end the
         span, named after `route`, the route's template, when one matched."""
-        record, trace = self.record, self.trace
-        if record is not None:
-            record.finish(self.status)
-            self._observers.access.write(record)
+        if self.logged:
+            self.finish(self.status)
+            self._observers.access.write(self)
+        trace = self.trace
         if trace is not None and trace.recording:
             if route is not None:
                 trace.name = f"{self.method} {route}"
-            ended: dict[str, str | int] = {"http.response.status_code": self.status}
+            status = int(self.status)  # an HTTP status (a gRPC record's is a code's name)
+            ended: dict[str, str | int] = {"http.response.status_code": status}
             if route is not None:
                 ended["http.route"] = route
-            self._observers.tracing.end(trace, ended, error_for_http(self.status))
+            self._observers.tracing.end(trace, ended, error_for_http(status))
 
 
 class Observed:

@@ -5,6 +5,7 @@ a key, a body or a query string in any log."""
 
 from __future__ import annotations
 
+import calendar
 import json
 import time
 from collections.abc import Iterator
@@ -237,6 +238,26 @@ def test_plain_lines_are_single_lines(tmp_path: Path) -> None:
     assert '"GET /v2/models/a" rest' in lines[0]
     assert '"GET /v2/models/a\\nFORGED 200" rest' in lines[1]
     assert '"GET /v2/models/\u00e9t\u00e9\\x1b[2J" rest' in lines[2]
+
+
+def test_a_line_shows_when_its_request_ended_and_how_long_it_took(tmp_path: Path) -> None:
+    # The record keeps two readings of one clock and the client's address as the transport has
+    # it; the writer makes the wall-clock time, the latency and the address's text of them.
+    access = AccessLog(str(tmp_path / "access.log"), "json")
+    try:
+        record = AccessRecord("POST", "/predictions/tiny", ("192.0.2.1", 5000), "rest", "timed")
+        time.sleep(0.05)
+        before = time.time()
+        record.finish(200)
+        after = time.time()
+        access.write(record)
+    finally:
+        access.close()
+    line = json.loads((tmp_path / "access.log").read_text())
+    shown = calendar.timegm(time.strptime(line["time"][:19], "%Y-%m-%dT%H:%M:%S"))
+    shown += int(line["time"][20:23]) / 1000
+    assert line["time"].endswith("Z") and before - 0.002 <= shown <= after + 0.002, line
+    assert 50 <= line["latency_ms"] < 5_000 and line["client"] == "192.0.2.1:5000"
 
 
 def test_a_loopback_proxys_forwarded_client_is_logged(logged: tuple[ServerProcess, Path]) -> None:
