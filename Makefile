@@ -63,7 +63,7 @@ check: install
 	$(MAKE) lint
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow"
 
-# On a GPU machine: every CUDA path, one command (benchmarks/gpu_check.py, docs/gpu.md). Where the
+# On a GPU machine: every CUDA path, one command (benchmarks/gpu_check/, docs/gpu.md). Where the
 # machine reaches no index, `make gpu-wheels` here first makes the wheels it installs from.
 gpu-check:
 	$(PYTHON) -m benchmarks.gpu_check $(if $(wildcard build/gpu-wheels),--wheels build/gpu-wheels)

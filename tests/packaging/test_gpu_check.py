@@ -1,4 +1,4 @@
-"""`make gpu-check` (benchmarks/gpu_check.py) here, on the CPU: its dry run goes through every
+"""`make gpu-check` (benchmarks/gpu_check/) here, on the CPU: its dry run goes through every
 step the GPU machine runs (the gpu-marked tests, archives compiled for the device, a server
 answering REST and gRPC with batching, checked answers, the benchmark), and the wheels it
 prepares for that machine fit in what may travel there."""
