@@ -59,8 +59,7 @@ test: install
 # The quick loop (under 3 minutes on 2 cores): lint, then the tests not marked `slow` (image
 # builds, fresh installs, training runs, fuzzing, compiles, servers started for a few tests;
 # see pyproject's markers). `make test` runs them all.
-check: install
-	$(MAKE) lint
+check: lint
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # On a GPU machine: every CUDA path, one command (benchmarks/gpu_check/, docs/gpu.md). Where the
