@@ -144,12 +144,6 @@ class Observation(AccessRecord):
         context and reset after, so that what `work` starts (a task, a callback) keeps it and
         a callback of the loop's pays no context of its own."""
         record = access_log.enter(self) if self.logged else None
-        if self.trace is None:
-            try:
-                work()
-            finally:
-                access_log.leave(record)
-            return
         trace = tracing.enter(self.trace)
         try:
             work()
