@@ -152,3 +152,41 @@ def test_sigterm_drains_then_ends_process_workers_without_orphans(tmp_path: Path
         what="no process left behind",
     )
     assert "stopped" in server.output()
+
+
+def test_workers_end_when_the_server_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves the server no time to end anything: each worker sees its server go (its
+    parent is the fork server, which outlives the server only as long as a worker does)."""
+    store, work = tmp_path / "store", tmp_path / "src"
+    ts, _ = models_dir(tmp_path)
+    build_archive(store, work, "slow", ts, {"workerMode": "process", "minWorkers": 2})
+    server = ServerProcess(store, "--workers", "2").start(timeout_s=180)
+    assert server.proc is not None
+    workers = worker_pids(server, "slow")
+    assert len(workers) == 2
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert {psutil.Process(pid).ppid() for pid in workers} != {server.proc.pid}  # the fork server
+
+    # One worker in the middle of a handler call: it ends too, without finishing it.
+    x = row(seed=5)
+    x[0, 0], x[0, 1] = SLEEP, 60.0
+    failed: list[Exception] = []
+
+    def asked() -> None:
+        try:
+            infer(server, "slow", x)
+        except httpx.TransportError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=asked)
+    thread.start()
+    poll(lambda: any(w["status"] == "BUSY" for w in describe(server, "slow")["workers"]))
+    server.proc.kill()
+    server.proc.wait(10)
+    thread.join(10)
+    assert len(failed) == 1  # the connection went with the server
+    poll(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+        timeout_s=10,
+        what="every worker and the fork server gone",
+    )

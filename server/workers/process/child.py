@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import reduction, shared_memory
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,6 @@ from scriptserve.server.workers.warmup import warm_up
 
 log = logging.getLogger("scriptserve.workers.child")
 
-_PARENT_CHECK_S = 1.0
-
 
 @dataclass(frozen=True)
 class ChildSpec:
@@ -72,19 +71,39 @@ class ChildSpec:
     """The handler's context, on the worker's device."""
     log_level: int = logging.INFO
     log_format: str = "plain"
-    parent_pid: int = 0
     worker: int = 0
     """The slot's id, for the log."""
     warmup_runs: int = 0
     """Runs of the archive's sample input before the worker says it is ready; 0 = none."""
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the server is gone (reparented), even while a handler call never returns."""
-    while True:
-        time.sleep(_PARENT_CHECK_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+class ServerStreams:
+    """The server's stdout and stderr as they are when a worker is started, for the worker to
+    write to: a forked worker would otherwise write where the fork server's were when it started
+    (the same in a server whose streams never change; not under a test's capture)."""
+
+    def __init__(self, fds: Sequence[Any] = ()) -> None:
+        self._fds = fds
+
+    def __reduce__(self) -> tuple[type[ServerStreams], tuple[list[Any]]]:
+        # Pickled while multiprocessing starts the worker: each fd goes along with it.
+        return ServerStreams, ([reduction.DupFd(fd) for fd in (1, 2)],)
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self._fds, strict=True):
+            received = fd.detach()
+            os.dup2(received, target)
+            os.close(received)
+
+
+def _watch_server() -> None:
+    """Exit when the server is gone, even while a handler call never returns. The server holds
+    the other end of this process's start pipe (multiprocessing's parent sentinel) until it
+    exits, however it exits; the worker's parent is the fork server, not the server."""
+    server = multiprocessing.parent_process()
+    if server is not None:
+        server.join()
+        os._exit(1)
 
 
 class _Segments:
@@ -216,16 +235,16 @@ def _serve(conn: Connection, handler: BaseHandler, context: Context) -> None:
         conn.send(("done", metas, (times.input_s, times.output_s), context.metrics.drain()))
 
 
-def child_main(conn: Connection, spec: ChildSpec) -> None:
-    """Entry point of a worker process (multiprocessing spawn target)."""
+def child_main(conn: Connection, spec: ChildSpec, streams: ServerStreams) -> None:
+    """Entry point of a worker process (multiprocessing's target)."""
+    streams.install()
     # Ctrl-C reaches the whole process group; the server decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_level, spec.log_format)  # the server's format
     # A crash in native code (a compiled model, a GPU runtime) prints this worker's Python
     # stacks to the server's stderr: the server itself sees only the signal it died of.
     faulthandler.enable(all_threads=True)
-    if spec.parent_pid:
-        threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_server, daemon=True).start()
     context = spec.context
     try:
         handler = load_handler(context)

@@ -11,9 +11,13 @@ from multiprocessing.process import BaseProcess
 from time import monotonic
 from typing import Any
 
-from scriptserve.server.workers.process.child import ChildSpec, child_main
+from scriptserve.server.workers.process.child import ChildSpec, ServerStreams, child_main
 
-_SPAWN = multiprocessing.get_context("spawn")
+_PROCESSES = multiprocessing.get_context("forkserver")
+# The fork server, started with the first worker, imports torch and the worker's code once; each
+# worker is then a fork of it, where a fresh interpreter would import torch again (seconds).
+# Nothing is run before the fork: no torch thread pool, no GPU context.
+_PROCESSES.set_forkserver_preload(["__main__", "torch", "scriptserve.server.workers.process.child"])
 
 
 class WorkerGone(Exception):
@@ -84,8 +88,9 @@ class Child:
 
 def spawn(spec: ChildSpec, name: str) -> Child:
     """Start a worker process (it loads its handler, then says `ready` or `error`)."""
-    ours, theirs = _SPAWN.Pipe(duplex=True)
-    process = _SPAWN.Process(target=child_main, args=(theirs, spec), name=name, daemon=True)
+    ours, theirs = _PROCESSES.Pipe(duplex=True)
+    args = (theirs, spec, ServerStreams())
+    process = _PROCESSES.Process(target=child_main, args=args, name=name, daemon=True)
     process.start()
     theirs.close()
     return Child(process, ours)

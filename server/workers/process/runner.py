@@ -1,11 +1,12 @@
 """ProcessRunner: `worker_mode: process`, each worker a child process fed through shared memory.
 
-Each worker is a child process (multiprocessing, spawn) that loads the archive's handler itself
-and runs its batches, so a Python-heavy handler uses one core per worker, and a segfault, an OOM
-kill or a hang takes down one worker instead of the server. The slot's thread in the server
-takes batches from the model's DynamicBatcher as a thread worker does, copies the requests into
-the worker's shared-memory segment, sends a small description over the worker's pipe, and waits
-for the answer at most the response timeout.
+Each worker is a child process (forked by multiprocessing's fork server, which has imported
+torch once) that loads the archive's handler itself and runs its batches, so a Python-heavy
+handler uses one core per worker, and a segfault, an OOM kill or a hang takes down one worker
+instead of the server. The slot's thread in the server takes batches from the model's
+DynamicBatcher as a thread worker does, copies the requests into the worker's shared-memory
+segment, sends a small description over the worker's pipe, and waits for the answer at most the
+response timeout.
 
 - A worker that dies (signal, exit 137 = out of memory, crash) fails the requests it was running
   at once with 503 / UNAVAILABLE saying how it died, and is replaced after a back-off that
@@ -21,7 +22,6 @@ for the answer at most the response timeout.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from collections import deque
 from dataclasses import replace
@@ -232,7 +232,6 @@ class ProcessRunner:
             context=replace(self._context, device=slot.device),
             log_level=logging.getLogger().getEffectiveLevel(),
             log_format=current_format(),
-            parent_pid=os.getpid(),
             worker=slot.id,
             warmup_runs=self._warmup_runs,
         )
