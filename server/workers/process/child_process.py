@@ -14,10 +14,20 @@ from typing import Any
 from scriptserve.server.workers.process.child import ChildSpec, ServerStreams, child_main
 
 _PROCESSES = multiprocessing.get_context("forkserver")
-# The fork server, started with the first worker, imports torch and the worker's code once; each
-# worker is then a fork of it, where a fresh interpreter would import torch again (seconds).
-# Nothing is run before the fork: no torch thread pool, no GPU context.
-_PROCESSES.set_forkserver_preload(["__main__", "torch", "scriptserve.server.workers.process.child"])
+# The fork server, started with the first worker, imports torch, the worker's code and the
+# built-in handler's torch backends once; each worker is then a fork of it, where a fresh
+# interpreter would import torch again (seconds). Nothing is run before the fork: no torch
+# thread pool, no GPU context. ONNX Runtime starts a thread when imported: it is not preloaded.
+_PROCESSES.set_forkserver_preload(
+    [
+        "__main__",
+        "torch",
+        "scriptserve.server.workers.process.child",
+        "scriptserve.handlers.tensor",
+        "scriptserve.handlers.backends.torchscript",
+        "scriptserve.handlers.backends.pt2",
+    ]
+)
 
 
 class WorkerGone(Exception):
