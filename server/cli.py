@@ -142,13 +142,17 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from scriptserve.server.app import ModelStoreError, StartupError, run
-    from scriptserve.server.security import SecurityConfigError
-
     try:
         settings = settings_from_args(args)
     except (ValidationError, ValueError) as exc:
         fail("scriptserve serve", f"invalid settings: {exc}")
+    if settings.worker_mode == "process":
+        from scriptserve.server.workers.process import fork_server
+
+        fork_server.start()  # its imports run beside the server's own
+    from scriptserve.server.app import ModelStoreError, StartupError, run
+    from scriptserve.server.security import SecurityConfigError
+
     # Every logger, uvicorn's and grpc's included, ends at this handler: control characters a
     # client sent (a newline in a model name or request id) are escaped, never a new line.
     configure_logging(settings.log_level, settings.log_format)

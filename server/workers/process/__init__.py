@@ -1,2 +1,3 @@
-"""Process workers: each worker a child process (`child`), started, fed and replaced by the
-`ProcessRunner` (`runner`), its batches laid out in shared memory (`shared_memory`)."""
+"""Process workers: each worker a child process (`child`), forked by the fork server
+(`fork_server`), started, fed and replaced by the `ProcessRunner` (`runner`), its batches laid
+out in shared memory (`shared_memory`)."""

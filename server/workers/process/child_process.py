@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -11,23 +10,8 @@ from multiprocessing.process import BaseProcess
 from time import monotonic
 from typing import Any
 
+from scriptserve.server.workers.process import fork_server
 from scriptserve.server.workers.process.child import ChildSpec, ServerStreams, child_main
-
-_PROCESSES = multiprocessing.get_context("forkserver")
-# The fork server, started with the first worker, imports torch, the worker's code and the
-# built-in handler's torch backends once; each worker is then a fork of it, where a fresh
-# interpreter would import torch again (seconds). Nothing is run before the fork: no torch
-# thread pool, no GPU context. ONNX Runtime starts a thread when imported: it is not preloaded.
-_PROCESSES.set_forkserver_preload(
-    [
-        "__main__",
-        "torch",
-        "scriptserve.server.workers.process.child",
-        "scriptserve.handlers.tensor",
-        "scriptserve.handlers.backends.torchscript",
-        "scriptserve.handlers.backends.pt2",
-    ]
-)
 
 
 class WorkerGone(Exception):
@@ -98,9 +82,9 @@ class Child:
 
 def spawn(spec: ChildSpec, name: str) -> Child:
     """Start a worker process (it loads its handler, then says `ready` or `error`)."""
-    ours, theirs = _PROCESSES.Pipe(duplex=True)
+    ours, theirs = fork_server.context.Pipe(duplex=True)
     args = (theirs, spec, ServerStreams())
-    process = _PROCESSES.Process(target=child_main, args=args, name=name, daemon=True)
+    process = fork_server.context.Process(target=child_main, args=args, name=name, daemon=True)
     process.start()
     theirs.close()
     return Child(process, ours)
