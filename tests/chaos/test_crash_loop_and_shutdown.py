@@ -190,3 +190,46 @@ def test_workers_end_when_the_server_is_killed(tmp_path: Path) -> None:
         timeout_s=10,
         what="every worker and the fork server gone",
     )
+
+
+def test_workers_are_replaced_when_their_fork_server_is_killed(tmp_path: Path) -> None:
+    """The fork server reports each worker's exit: killed, it makes every worker it forked look
+    ended. Each is ended for good (none left running beside its replacement, even one in the
+    middle of a handler call) and replaced from a new fork server."""
+    store, work = tmp_path / "store", tmp_path / "src"
+    ts, _ = models_dir(tmp_path)
+    build_archive(store, work, "slow", ts, {"workerMode": "process", "minWorkers": 2})
+    server = ServerProcess(store, "--workers", "2").start(timeout_s=180)
+    try:
+        old = worker_pids(server, "slow")
+        (fork_server,) = {psutil.Process(pid).ppid() for pid in old}
+        busy = row(seed=6)
+        busy[0, 0], busy[0, 1] = SLEEP, 60.0
+        answers: dict[str, httpx.Response] = {}
+        thread = threading.Thread(target=lambda: answers.update(r=infer(server, "slow", busy)))
+        thread.start()
+        poll(lambda: any(w["status"] == "BUSY" for w in describe(server, "slow")["workers"]))
+
+        psutil.Process(fork_server).kill()
+        thread.join(30)
+        assert answers["r"].status_code == 503
+        assert "died (lost with its fork server" in answers["r"].json()["error"]
+        poll(
+            lambda: (
+                status(server, "/v2/models/slow/ready") == 200
+                and len(worker_pids(server, "slow")) == 2
+                and not set(worker_pids(server, "slow")) & set(old)
+            ),
+            what="two new workers",
+        )
+        poll(
+            lambda: not any(psutil.pid_exists(pid) for pid in old),
+            timeout_s=10,
+            what="the old workers gone",
+        )
+        new = worker_pids(server, "slow")
+        assert {psutil.Process(pid).ppid() for pid in new} != {fork_server}
+        x = row(seed=7)
+        np.testing.assert_allclose(output(infer(server, "slow", x)), reference_output(x), atol=1e-5)
+    finally:
+        server.stop()

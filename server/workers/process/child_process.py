@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from time import monotonic
@@ -43,13 +44,13 @@ class Child:
 
     process: BaseProcess
     conn: Connection
+    _how: str | None = field(default=None, init=False)
 
     def send(self, message: tuple[Any, ...]) -> None:
         try:
             self.conn.send(message)
         except (BrokenPipeError, ConnectionResetError) as exc:
-            self.process.join(5.0)
-            raise WorkerGone(exit_description(self.process.exitcode)) from exc
+            raise WorkerGone(self.ended()) from exc
 
     def receive(self, deadline: float) -> tuple[Any, ...]:
         """The next message; WorkerGone when the process ends first, WorkerHung at `deadline`."""
@@ -66,8 +67,23 @@ class Child:
                 except (EOFError, OSError):
                     ready.append(sentinel)
             if sentinel in ready:
-                self.process.join(5.0)
-                raise WorkerGone(exit_description(self.process.exitcode))
+                raise WorkerGone(self.ended())
+
+    def ended(self) -> str:
+        """How the process ended, in words, once its sentinel says it has. The fork server
+        reports the exit of each worker it forked: if it goes away, each of them looks ended
+        (exit code 255) although it may still run, in a handler call or idle. Such a worker is
+        killed here, so that none outlives its slot or runs beside its replacement."""
+        if self._how is None:
+            self.process.join(5.0)
+            pid = self.process.pid
+            if self.process.exitcode == 255 and pid is not None and _exists(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self._how = "lost with its fork server, which ended"
+            else:
+                self._how = exit_description(self.process.exitcode)
+        return self._how
 
     def end(self, grace_s: float) -> None:
         """Ask the process to exit; kill it (SIGKILL) after `grace_s`."""
@@ -77,7 +93,21 @@ class Child:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5.0)
+        else:
+            self.ended()  # kills a worker its fork server left running
         self.conn.close()
+
+
+def _exists(pid: int) -> bool:
+    """A process of that id exists (a worker's exit is reported, by its fork server, only once
+    the worker is reaped: its id is then gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the id
+        return False
+    return True
 
 
 def spawn(spec: ChildSpec, name: str) -> Child:

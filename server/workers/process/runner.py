@@ -284,11 +284,10 @@ class ProcessRunner:
         the error that answers the requests it was running."""
         slot.state = WorkerState.RESTARTING
         child = slot.child
-        exitcode = child.process.exitcode if child is not None else None
+        how = child.ended() if child is not None else exit_description(None)
         self._shutdown(slot, grace_s=0.0)
         if pool.closed.is_set():  # ended by `stop` after the drain timeout
             return ModelNotReady("the model was stopped before this request finished")
-        how = exit_description(exitcode)
         log.error(
             "model=%s version=%s request_ids=%s worker %d died (%s)",
             pool.model,
