@@ -112,9 +112,10 @@ def _exists(pid: int) -> bool:
 
 def spawn(spec: ChildSpec, name: str) -> Child:
     """Start a worker process (it loads its handler, then says `ready` or `error`)."""
-    ours, theirs = fork_server.context.Pipe(duplex=True)
+    forks = fork_server.context()
+    ours, theirs = forks.Pipe(duplex=True)
     args = (theirs, spec, ServerStreams())
-    process = fork_server.context.Process(target=child_main, args=args, name=name, daemon=True)
+    process = forks.Process(target=child_main, args=args, name=name, daemon=True)
     process.start()
     theirs.close()
     return Child(process, ours)

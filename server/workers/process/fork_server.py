@@ -23,11 +23,18 @@ PRELOAD = [
     "scriptserve.handlers.backends.pt2",
 ]
 
-context = multiprocessing.get_context("forkserver")
-context.set_forkserver_preload(PRELOAD)
+
+def context() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's fork server context, with what the fork server imports when it starts
+    (set here, not at import: the fork server is one per process, and a process that starts
+    one for other children of its own, as the tests do, sets its own list)."""
+    forks = multiprocessing.get_context("forkserver")
+    forks.set_forkserver_preload(PRELOAD)
+    return forks
 
 
 def start() -> None:
     """Start the fork server now, not with the first worker: its imports then run beside the
     server's own start instead of ahead of the first worker's load. Returns at once."""
+    context()
     multiprocessing.forkserver.ensure_running()
