@@ -233,3 +233,35 @@ def test_workers_are_replaced_when_their_fork_server_is_killed(tmp_path: Path) -
         np.testing.assert_allclose(output(infer(server, "slow", x)), reference_output(x), atol=1e-5)
     finally:
         server.stop()
+
+
+def test_a_worker_that_cannot_be_started_is_tried_again(tmp_path: Path) -> None:
+    """Replacing a worker can fail before any process exists (here: the server out of file
+    descriptors, so no pipe to a worker can be made). That counts as a failed replacement,
+    tried again after the back-off, so the worker comes back once descriptors are free."""
+    store, work = tmp_path / "store", tmp_path / "src"
+    ts, _ = models_dir(tmp_path)
+    build_archive(store, work, "slow", ts, {"workerMode": "process", "minWorkers": 1})
+    env = {"SCRIPTSERVE_WORKER_RESTART_BACKOFF_S": "0.2", "SCRIPTSERVE_WORKER_MAX_RESTARTS": "50"}
+    server = ServerProcess(store, "--workers", "1", env=env).start(timeout_s=180)
+    try:
+        assert server.proc is not None
+        process = psutil.Process(server.proc.pid)
+        (old,) = worker_pids(server, "slow")
+        limits = process.rlimit(psutil.RLIMIT_NOFILE)
+        process.rlimit(psutil.RLIMIT_NOFILE, (process.num_fds(), limits[1]))
+        try:
+            psutil.Process(old).kill()
+            time.sleep(2.0)  # several replacements fail meanwhile (0.2, 0.4, 0.8 s back-off)
+        finally:
+            process.rlimit(psutil.RLIMIT_NOFILE, limits)
+        poll(
+            lambda: describe(server, "slow")["workers"][0].get("status") == "READY",
+            what="the worker back",
+        )
+        assert worker_pids(server, "slow") != [old]
+        assert "the worker process could not be started" in server.output()
+        x = row(seed=8)
+        np.testing.assert_allclose(output(infer(server, "slow", x)), reference_output(x), atol=1e-5)
+    finally:
+        server.stop()

@@ -11,7 +11,9 @@ response timeout.
 - A worker that dies (signal, exit 137 = out of memory, crash) fails the requests it was running
   at once with 503 / UNAVAILABLE saying how it died, and is replaced after a back-off that
   doubles with each crash in a row. More than `max_restarts` crashes within `restart_window_s`
-  mark the model FAILED (no restart loop); its queued requests are answered 503 at once.
+  mark the model FAILED (no restart loop); its queued requests are answered 503 at once. A
+  replacement that cannot be started at all (the server out of file descriptors or processes)
+  counts as a failed one, and is tried again after the back-off.
 - A worker that does not answer within the response timeout is killed (SIGKILL) and replaced;
   its clients get 504 / DEADLINE_EXCEEDED. Requests still queued go to the other workers, or
   fail fast (503) when no live worker is left.
@@ -361,8 +363,12 @@ class ProcessRunner:
         )
         if slot.stop.wait(delay):
             return False
-        self._start(pool, slot)
-        problem = self._await_ready(pool, slot)
+        try:
+            self._start(pool, slot)
+        except (OSError, EOFError) as exc:  # no process: out of descriptors or processes
+            problem: str | None = f"the worker process could not be started ({exc})"
+        else:
+            problem = self._await_ready(pool, slot)
         if problem is not None:
             log.error(
                 "model=%s version=%s replacement worker failed: %s",
