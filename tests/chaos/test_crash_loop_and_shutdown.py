@@ -235,10 +235,14 @@ def test_workers_are_replaced_when_their_fork_server_is_killed(tmp_path: Path) -
         server.stop()
 
 
+_CANNOT_START = "replacement worker failed: the worker process could not be started"
+
+
 def test_a_worker_that_cannot_be_started_is_tried_again(tmp_path: Path) -> None:
-    """Replacing a worker can fail before any process exists (here: the server out of file
-    descriptors, so no pipe to a worker can be made). That counts as a failed replacement,
-    tried again after the back-off, so the worker comes back once descriptors are free."""
+    """Starting a worker can fail before any process exists (here: the server out of file
+    descriptors, so no pipe to a worker can be made). Scaling up then fails with that reason
+    and keeps the workers it had; a replacement counts as failed and is tried again after the
+    back-off, so the worker comes back once descriptors are free."""
     store, work = tmp_path / "store", tmp_path / "src"
     ts, _ = models_dir(tmp_path)
     build_archive(store, work, "slow", ts, {"workerMode": "process", "minWorkers": 1})
@@ -249,18 +253,29 @@ def test_a_worker_that_cannot_be_started_is_tried_again(tmp_path: Path) -> None:
         process = psutil.Process(server.proc.pid)
         (old,) = worker_pids(server, "slow")
         limits = process.rlimit(psutil.RLIMIT_NOFILE)
-        process.rlimit(psutil.RLIMIT_NOFILE, (process.num_fds(), limits[1]))
-        try:
-            psutil.Process(old).kill()
-            time.sleep(2.0)  # several replacements fail meanwhile (0.2, 0.4, 0.8 s back-off)
-        finally:
-            process.rlimit(psutil.RLIMIT_NOFILE, limits)
+        with httpx.Client(base_url=server.mgmt, headers=server.mgmt_headers, timeout=30) as mgmt:
+            assert mgmt.get("/models/slow").status_code == 200  # its connection, kept open
+            process.rlimit(psutil.RLIMIT_NOFILE, (process.num_fds(), limits[1]))
+            try:
+                params = {"min_worker": 2, "synchronous": "true"}
+                scaled = mgmt.put("/models/slow", params=params)
+                psutil.Process(old).kill()
+                poll(
+                    lambda: server.output().count(_CANNOT_START) >= 2,
+                    what="replacements failing, one after another",
+                )
+            finally:
+                process.rlimit(psutil.RLIMIT_NOFILE, limits)
+        assert scaled.status_code == 500
+        assert scaled.json()["message"] == (
+            "model 'slow' version 1.0 could not start a worker: a worker process could not be "
+            "started (Too many open files); it keeps its 1 worker(s)"
+        )
         poll(
-            lambda: describe(server, "slow")["workers"][0].get("status") == "READY",
-            what="the worker back",
+            lambda: [w["status"] for w in describe(server, "slow")["workers"]] == ["READY"],
+            what="the worker back, and only it",
         )
         assert worker_pids(server, "slow") != [old]
-        assert "the worker process could not be started" in server.output()
         x = row(seed=8)
         np.testing.assert_allclose(output(infer(server, "slow", x)), reference_output(x), atol=1e-5)
     finally:

@@ -105,18 +105,29 @@ class ProcessRunner:
     def open(
         self, pool: WorkerPool[ProcessSlot], places: list[tuple[int, str]]
     ) -> list[ProcessSlot]:
-        slots = [
-            ProcessSlot(
-                id=slot_id,
-                device=device,
-                requests=frames.ensure_segment(None, 0),
-                responses=frames.ensure_segment(None, 0),
-            )
-            for slot_id, device in places
+        slots: list[ProcessSlot] = []
+        try:
+            for slot_id, device in places:
+                requests = frames.ensure_segment(None, 0)
+                try:
+                    responses = frames.ensure_segment(None, 0)
+                except OSError:
+                    frames.release_segment(requests)
+                    raise
+                slots.append(
+                    ProcessSlot(id=slot_id, device=device, requests=requests, responses=responses)
+                )
+        except OSError as exc:  # out of descriptors or shared memory
+            for slot in slots:
+                self._release(slot)
+            raise HandlerError(f"a worker process could not be started ({_reason(exc)})") from None
+        # Every process starts loading before any is waited for: they load side by side.
+        not_started = [self._start(pool, slot) for slot in slots]
+        outcomes = [
+            problem or self._await_ready(pool, slot)
+            for slot, problem in zip(slots, not_started, strict=True)
         ]
-        for slot in slots:
-            self._start(pool, slot)
-        problems = [p for p in [self._await_ready(pool, slot) for slot in slots] if p]
+        problems = [problem for problem in outcomes if problem]
         if problems:
             for slot in slots:
                 self._shutdown(slot, grace_s=0.0)
@@ -227,7 +238,8 @@ class ProcessRunner:
         follow_capture(slot, capture, pool.model, pool.version)
 
     # -- one worker process ------------------------------------------------------------------
-    def _start(self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot) -> None:
+    def _start(self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot) -> str | None:
+        """Start the slot's worker process; None, else why none could be started."""
         slot.state = WorkerState.STARTING
         slot.profiling = False  # a new process runs no profiler
         spec = ChildSpec(
@@ -237,7 +249,12 @@ class ProcessRunner:
             worker=slot.id,
             warmup_runs=self._warmup_runs,
         )
-        slot.child = spawn(spec, name=f"scriptserve-worker-{pool.model}-{slot.id}")
+        try:
+            slot.child = spawn(spec, name=f"scriptserve-worker-{pool.model}-{slot.id}")
+        except (OSError, EOFError) as exc:  # no process: out of descriptors or processes
+            slot.child = None
+            return f"the worker process could not be started ({_reason(exc)})"
+        return None
 
     def _await_ready(self, pool: WorkerPool[ProcessSlot], slot: ProcessSlot) -> str | None:
         """None once the worker has loaded its handler, else what went wrong."""
@@ -363,12 +380,7 @@ class ProcessRunner:
         )
         if slot.stop.wait(delay):
             return False
-        try:
-            self._start(pool, slot)
-        except (OSError, EOFError) as exc:  # no process: out of descriptors or processes
-            problem: str | None = f"the worker process could not be started ({exc})"
-        else:
-            problem = self._await_ready(pool, slot)
+        problem = self._start(pool, slot) or self._await_ready(pool, slot)
         if problem is not None:
             log.error(
                 "model=%s version=%s replacement worker failed: %s",
@@ -382,3 +394,10 @@ class ProcessRunner:
             return pool.failed_reason is None
         pool.metrics.worker_restarts.inc()
         return True
+
+
+def _reason(exc: Exception) -> str:
+    """What stopped a worker process from starting, in words without paths or names."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return "the fork server went away" if isinstance(exc, EOFError) else type(exc).__name__
