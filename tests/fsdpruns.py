@@ -61,7 +61,7 @@ def training(
         cmd = [sys.executable, "-m", "torch.distributed.run"]
         cmd += list(launcher) or ["--standalone", f"--nproc_per_node={ranks}"]
     cmd += ["-m", "scriptserve.training", *QUICK, "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return Run(out, proc.stderr)
 

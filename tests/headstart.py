@@ -26,6 +26,8 @@ log = logging.getLogger("tests.headstart")
 T = TypeVar("T")
 
 NICENESS = 15
+TIMEOUT_S = 1800
+"""The longest a fixture waits for a head start, and the bound on a head start's own commands."""
 _jobs: dict[str, Future[object]] = {}
 _lock = threading.Lock()
 _took: dict[str, tuple[float, float]] = {}
@@ -61,7 +63,7 @@ def start(name: str, job: Callable[[], object]) -> None:
     ).start()
 
 
-def result(name: str, job: Callable[[], T], timeout_s: float = 1800) -> T:
+def result(name: str, job: Callable[[], T], timeout_s: float = TIMEOUT_S) -> T:
     """What `job` returned: from its head start if one was begun, else run here."""
     with _lock:
         future = _jobs.get(name)
