@@ -84,16 +84,20 @@ def make_archive(tmp_path: Path, sample_file: Path) -> ArchiveFactory:
 
 # Fixtures whose making takes half a minute to minutes of child processes: what starts them in
 # the background (headstart.py) once collection shows they will be used. The `.pt2` archives of
-# pt2models.py get one too, for the test modules that import the functions that give them.
+# pt2models.py get one too (`pt2models.HEAD_START`), for the test modules that import the
+# functions that give them. Listed in the order they end in a whole run on 2 cores (the run's
+# summary prints when each ended), which is the order their tests run in: a test waits only
+# for what is still being made.
 HEAD_STARTS = (
-    "built_image",
-    "installed",
-    "zoo",
-    "trained",
-    "qat_run",
-    "gpu_dry_run",
     "gpu_wheels",
     "fsdp_runs",
+    "gpu_dry_run",
+    "installed",
+    "qat_run",
+    "trained",
+    pt2models.HEAD_START,
+    "built_image",
+    "zoo",
 )
 GPU_CHECK = {"gpu_dry_run": "--dry-run", "gpu_wheels": "--prepare"}
 """The gpu check's runs that tests/packaging/test_gpu_check.py reads, by fixture."""
@@ -103,12 +107,12 @@ GPU_CHECK = {"gpu_dry_run": "--dry-run", "gpu_wheels": "--prepare"}
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that use a fixture with a head start are `slow`, marked so or not (`make check`
     never waits for one), and run last, so that it has the whole run to be made while the other
-    tests go on (the order is stable otherwise). Tests marked `gpu` need CUDA; they are skipped
-    (with the reason) where there is none."""
+    tests go on, in the order the head starts end (`HEAD_STARTS`; stable otherwise). Tests
+    marked `gpu` need CUDA; they are skipped (with the reason) where there is none."""
     for item in items:
         if _uses_head_start(item):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=_uses_head_start)
+    items.sort(key=_head_start_turn)
     import torch
 
     if torch.cuda.is_available():
@@ -228,4 +232,13 @@ def _pt2_archives(item: pytest.Item) -> set[str]:
 
 
 def _uses_head_start(item: pytest.Item) -> bool:
-    return any(name in _fixtures(item) for name in HEAD_STARTS) or bool(_pt2_archives(item))
+    return _head_start_turn(item) > 0
+
+
+def _head_start_turn(item: pytest.Item) -> int:
+    """0 for a test that uses no head start, else 1 + the place in `HEAD_STARTS` of the last
+    to end of those it uses."""
+    used = set(_fixtures(item))
+    if _pt2_archives(item):
+        used.add(pt2models.HEAD_START)
+    return max((i + 1 for i, name in enumerate(HEAD_STARTS) if name in used), default=0)
