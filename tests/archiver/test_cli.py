@@ -61,6 +61,7 @@ def args(models: Path, store: Path, model: str = "tiny.pt", *extra: str) -> list
     ]
 
 
+@pytest.mark.slow
 def test_success_prints_the_archive_path(models: Path, tmp_path: Path) -> None:
     sample = str(models / "sample.json")
     argv = args(models, tmp_path, "tiny.pt", "--sample-input", sample)
@@ -74,6 +75,7 @@ def test_success_prints_the_archive_path(models: Path, tmp_path: Path) -> None:
         assert reader.verify().ok
 
 
+@pytest.mark.slow
 def test_input_shape_without_sample_for_torchscript(models: Path, tmp_path: Path) -> None:
     done = model_archiver(*args(models, tmp_path, "tiny.pt", "--input-shape", "8"))
     assert done.returncode == 0, done.stderr

@@ -141,6 +141,7 @@ def test_cli_verify_of_a_torchserve_archive_exits_1(torchserve_archives: Path) -
     assert "torch-model-archiver" in line
 
 
+@pytest.mark.slow
 def test_scriptserve_predict_runs_a_torchserve_archive(
     torchserve_archives: Path, sources: Path
 ) -> None:

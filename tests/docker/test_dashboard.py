@@ -177,6 +177,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_every_queried_metric_is_exported(exported: dict[str, Any]) -> None:
     where = queried_names()
     # The dashboard's and rules' core series, so that an extractor gone blind fails here.
@@ -206,6 +207,7 @@ def test_every_queried_metric_is_exported(exported: dict[str, Any]) -> None:
     assert re.search(r'^scriptserve_requests_total\{[^}]*status="400"', exported["text"], re.M)
 
 
+@pytest.mark.slow
 def test_histogram_quantiles_read_buckets_of_histograms(exported: dict[str, Any]) -> None:
     exprs = [*dashboard_exprs().values(), *(r["expr"] for r in alert_rules())]
     quantile_exprs = [e for e in exprs if "histogram_quantile" in e]

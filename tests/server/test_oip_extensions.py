@@ -440,6 +440,7 @@ def test_other_unknown_routes_keep_torchserves_shape(server: ServerProcess) -> N
         )
 
 
+@pytest.mark.slow
 def test_statistics_of_process_workers(
     server: ServerProcess, http_client: triton_http.InferenceServerClient
 ) -> None:

@@ -90,6 +90,7 @@ def test_a_record_becomes_the_requests_span_tree(
     assert {s.trace_state for s in spans.values()} == {"vendor=1"}  # the client's, passed on
 
 
+@pytest.mark.slow
 def test_an_exporter_that_stops_reading_costs_dropped_spans_not_waits(
     export: SpanExport, receiver: GrpcReceiver
 ) -> None:
@@ -149,6 +150,7 @@ def test_the_queue_holds_what_otel_bsp_max_queue_size_says(receiver: GrpcReceive
         export.close(timeout_s=2.0)
 
 
+@pytest.mark.slow
 def test_an_exporter_that_exits_is_started_again(
     export: SpanExport, receiver: GrpcReceiver
 ) -> None:

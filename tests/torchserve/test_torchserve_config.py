@@ -81,6 +81,7 @@ def describe(server: ServerProcess, model: str) -> dict[str, object]:
     return desc  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_the_server_listens_where_config_properties_says(ts_server: ServerProcess) -> None:
     r = httpx.post(f"{ts_server.url}/predictions/builtin", json=instance(1), timeout=30)
     assert r.status_code == 200
@@ -96,6 +97,7 @@ def test_the_server_listens_where_config_properties_says(ts_server: ServerProces
     assert httpx.get(f"{ts_server.metrics_url}/metrics", timeout=30).status_code == 200
 
 
+@pytest.mark.slow
 def test_models_get_the_batching_of_the_models_property(ts_server: ServerProcess) -> None:
     scores = describe(ts_server, "scores")
     # The archive's own config file (batchSize 8, delay 400, maxWorkers 2) wins, as in TorchServe.
@@ -107,11 +109,13 @@ def test_models_get_the_batching_of_the_models_property(ts_server: ServerProcess
     assert builtin["jobQueueStatus"]["remainingCapacity"] == 50  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_only_load_models_are_loaded(ts_server: ServerProcess) -> None:
     r = httpx.get(f"{ts_server.mgmt}/models", headers=ts_server.mgmt_headers, timeout=30)
     assert sorted(m["modelName"] for m in r.json()["models"]) == ["builtin", "scores"]
 
 
+@pytest.mark.slow
 def test_ignored_keys_are_named_on_one_log_line(ts_server: ServerProcess) -> None:
     (line,) = [ln for ln in ts_server.output().splitlines() if "ignoring" in ln]
     assert "metrics_mode, number_of_netty_threads" in line

@@ -113,6 +113,7 @@ def _data(draw: st.DrawFn, shape: list[int]) -> Any:
     return flat
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_an_envelope_read_again_decodes_as_the_whole_document(data: st.DataObject) -> None:

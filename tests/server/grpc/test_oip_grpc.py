@@ -317,6 +317,7 @@ def test_reflection_describes_the_oip_service(server: ServerProcess) -> None:
 
 
 # -- readiness at startup -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_server_is_ready_only_once_every_startup_model_is(tmp_path: Path) -> None:
     """`big` takes a while to open (128 MB to unpack and hash) before it is registered, and `tiny`
     loads after it: ServerReady stays false, and the inference port's gRPC health NOT_SERVING,
