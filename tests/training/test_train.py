@@ -143,6 +143,24 @@ def test_splits_are_fixed_disjoint_and_preprocessed() -> None:
     assert abs(a.train.images.std().item() - 1.0) < 0.05
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: about 5 s
+def test_the_digits_are_scikit_learns_read_without_importing_it() -> None:
+    from sklearn.datasets import load_digits
+
+    images, target = data.load_digits()
+    digits = load_digits()
+    assert images.dtype == digits.images.dtype and np.array_equal(images, digits.images)
+    assert np.array_equal(target, digits.target)
+    script = (
+        "import sys; from scriptserve.training import data; images, _ = data.load_digits(); "
+        "print(images.shape, 'sklearn' in sys.modules)"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert loaded.stdout.split() == ["(1797,", "8,", "8)", "False"]
+
+
 def _seen(loader: DataLoader[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes]:
     return [img.numpy().tobytes() for images, _ in loader for img in images]
 
