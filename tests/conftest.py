@@ -96,8 +96,8 @@ HEAD_STARTS = (
     "installed",
     "qat_run",
     "trained",
-    pt2models.HEAD_START,
     "built_image",
+    pt2models.HEAD_START,
     "zoo",
 )
 GPU_CHECK = {"gpu_dry_run": "--dry-run", "gpu_wheels": "--prepare"}
@@ -150,7 +150,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tests.docker.buildah import build_default_image, unbuildable_reason
 
         if unbuildable_reason() is None:
-            headstart.start("image", build_default_image)
+            headstart.start("image", build_default_image, headstart.SERIAL_NICENESS)
     if "installed" in used:
         import distribution
 
