@@ -174,7 +174,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     archives = set().union(*map(_pt2_archives, session.items))
     if archives:
         build = functools.partial(pt2models.build_in_child, archives)
-        headstart.start(pt2models.HEAD_START, build)
+        headstart.start(pt2models.HEAD_START, build, headstart.SERIAL_NICENESS)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -27,7 +27,8 @@ T = TypeVar("T")
 
 NICENESS = 15
 SERIAL_NICENESS = 10
-"""For a head start that is one chain of steps (the image: a rootfs, then `buildah bud`): three
+"""For a head start that is one chain of steps whose tests take long (the image: a rootfs, then
+`buildah bud`; the `.pt2` archives, one compile after another, whose tests compile more): three
 times the CPU share of the others when they compete (Linux weighs nice 10 at 110, nice 15 at
 36), so that it ends while they still run and its tests run beside them, not alone after them
 with one core idle; the tests, at nice 0 (1,024), keep the CPU all the same."""
