@@ -12,8 +12,10 @@ The budget is for the server's resident memory: the process's resident size when
 accounting began (`baseline_bytes`, the Python runtime and the libraries, before any model),
 plus each loaded version's resident bytes, measured when it loaded: the growth of the server
 process's resident size across the load for thread workers (loads run one at a time, so each
-growth is its own), the resident size of each child for process workers. Before a version's
-first load its size is estimated from its model files. A load that would pass the budget first
+growth is its own), the proportional size of each child for process workers (its pages shared
+with the fork server it was forked from divided among the processes that share them, and the
+fork server counted too). Before a version's first load its size is estimated from its model
+files. A load that would pass the budget first
 unloads the least recently used versions that are idle (nothing queued, no worker busy) and
 evictable; when that is not enough, the load fails and its waiting requests are answered 503
 saying the budget is full. An unloaded version loads again on its next request.
@@ -131,6 +133,45 @@ def resident_bytes(pid: int | str = "self") -> int:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A process's sizes read together: resident, and proportional (each page it shares divided
+    by the processes that map it, so a set of processes' proportional sizes add up to what
+    they hold together, shared pages once), and its parent's pid."""
+
+    resident: int
+    proportional: int
+    parent: int
+
+
+def read_process(pid: int) -> Reading | None:
+    """`pid`'s sizes (None when it is gone). `smaps_rollup` walks every mapping of the process:
+    milliseconds for one with torch, so it is read at loads and unloads, not per look."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in rollup.splitlines()[1:] if ":" in line)
+    try:
+        resident, proportional = (int(fields[name].split()[0]) * 1024 for name in ("Rss", "Pss"))
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+    except (KeyError, IndexError, ValueError):
+        return None
+    return Reading(resident, proportional, parent)
+
+
+def read_processes(pids: Iterable[int]) -> dict[int, Reading]:
+    """Worker processes' sizes and those of the fork servers they were forked from (their
+    parents other than this process), by pid; run in a thread."""
+    found = {pid: reading for pid in pids if (reading := read_process(pid)) is not None}
+    for parent in {reading.parent for reading in found.values()} - {os.getpid(), *found}:
+        reading = read_process(parent)
+        if reading is not None:
+            found[parent] = reading
+    return found
 
 
 MMAP_THRESHOLD = 128 * 1024
@@ -271,6 +312,8 @@ class ModelMemory:
         its kernels, onnxruntime) is loaded by the first model that needs it, and counted in
         that model's first load: a server of `.pt2` models never imports torch."""
         self._versions: Callable[[], Iterable[ModelVersion]] = tuple
+        self._readings: dict[int, Reading] = {}
+        """The process workers and their fork servers, as last read (`_read_workers`)."""
         self._process_bytes = 0
         """What the last worker process loaded held beyond its model files."""
         self._lock = asyncio.Lock()
@@ -283,8 +326,16 @@ class ModelMemory:
 
     # -- what the budget holds -----------------------------------------------------------------
     def accounted_bytes(self) -> int:
-        """The baseline and every version's resident bytes, as measured at their loads."""
-        return self.baseline_bytes + sum(mv.residency.resident_bytes for mv in self._versions())
+        """The baseline, every version's resident bytes and the process workers' fork servers,
+        as measured at the last load or unload."""
+        versions = sum(mv.residency.resident_bytes for mv in self._versions())
+        return self.baseline_bytes + versions + self._fork_servers_bytes()
+
+    def _fork_servers_bytes(self) -> int:
+        """The live fork servers' proportional sizes, as last read."""
+        readings = self._readings
+        forks = {r.parent for r in readings.values()} & readings.keys()
+        return sum(readings[pid].proportional for pid in forks if resident_bytes(pid))
 
     def used_bytes(self) -> int:
         """What the budget counts now: the accounted bytes, or the server's resident size when
@@ -299,11 +350,35 @@ class ModelMemory:
         )
 
     def server_bytes(self) -> int:
-        """The server's resident size now: this process and its process workers."""
+        """The server's size now: this process's resident size, and its process workers' and
+        their fork servers' proportional sizes as last read, each moved by as much as its
+        resident size has moved since (a worker's shared pages are counted once, not once a
+        worker: they are forked from one process)."""
         total = resident_bytes()
-        for mv in self._versions():
-            total += sum(resident_bytes(pid) for pid in _worker_pids(mv))
+        workers = [pid for mv in self._versions() for pid in _worker_pids(mv)]
+        unread = [pid for pid in workers if pid not in self._readings]
+        if unread:  # a replacement started since the last load: read it now
+            self._readings.update(read_processes(unread))
+        for pid, reading in self._readings.items():
+            now = resident_bytes(pid)
+            if now:
+                total += max(0, reading.proportional + now - reading.resident)
         return total
+
+    async def _read_workers(self) -> None:
+        """Read every process worker's and fork server's sizes (in a thread), and set each
+        process-worker version's resident bytes to its workers' proportional sizes: a fork or
+        an exit changes how many processes share the fork server's pages, and so every
+        worker's share of them."""
+        pids = [(mv, _worker_pids(mv)) for mv in self._versions()]
+        workers = [pid for _, found in pids for pid in found]
+        if not workers and not self._readings:
+            return
+        self._readings = await asyncio.to_thread(read_processes, workers)
+        for mv, found in pids:
+            if mv.settings.worker_mode == "process" and found:
+                readings = [self._readings[pid] for pid in found if pid in self._readings]
+                mv.residency.resident_bytes = sum(r.proportional for r in readings)
 
     # -- loads ---------------------------------------------------------------------------------
     def wanted(self, mv: ModelVersion) -> None:
@@ -349,7 +424,8 @@ class ModelMemory:
             before = resident_bytes()
             await asyncio.to_thread(mv.pool.scale, workers)
             if mv.settings.worker_mode == "process":
-                measured = sum(resident_bytes(pid) for pid in _worker_pids(mv))
+                await self._read_workers()
+                measured = mv.residency.resident_bytes
             else:
                 # At least its files: other threads free memory while it loads, and the
                 # growth alone could then say less than its weights take.
@@ -449,6 +525,8 @@ class ModelMemory:
         before = resident_bytes()
         await asyncio.to_thread(_stop_workers, mv)
         freed = before - resident_bytes()
+        if mv.settings.worker_mode == "process":
+            await self._read_workers()
         if mv.settings.worker_mode != "process":
             # What it gave back is what its next load will take: its first load also held what
             # the process sets up once (torch, its kernels), which stays after it.

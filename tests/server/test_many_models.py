@@ -8,6 +8,7 @@ number, so an answer says which model gave it. Real servers on loopback ports, t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import time
@@ -314,27 +315,28 @@ PROCESS = (*LAZY, "--worker-mode", "process")
 
 @pytest.fixture(scope="module")
 def process_sizes(store: Path) -> tuple[int, int]:
-    """What a server with process workers and no budget measures: its baseline (the server
-    process before any model) and one model's worker process."""
+    """What a server with process workers and no budget measures: what it holds beyond its one
+    model (the server process before any model, and the fork server) and that model's worker
+    process."""
     sizing = fresh_server(store, *PROCESS).start()
     try:
         with httpx.Client(timeout=120) as client:
             assert answer(infer(client, sizing, "m0")) == 0
             sizing.wait(lambda c: memory(c, sizing, "m0")["residence"] == "LOADED", 30)
             child = int(memory(client, sizing, "m0")["residentBytes"])  # type: ignore[call-overload]
-            baseline = int(metric(client, sizing, "scriptserve_memory_baseline_bytes"))
+            accounted = int(metric(client, sizing, "scriptserve_memory_accounted_bytes"))
     finally:
         sizing.stop()
-    return baseline, child
+    return accounted - child, child
 
 
 def test_process_workers_count_their_own_process_and_are_stopped_to_make_room(
     store: Path, process_sizes: tuple[int, int]
 ) -> None:
-    """A process worker's resident size is its whole process (Python, torch, the weights): the
-    budget counts it so, and unloading a model stops its process."""
+    """A process worker counts its process (the weights, its share of the pages it shares with
+    the fork server): the budget counts it so, and unloading a model stops its process."""
     baseline, child = process_sizes
-    assert child > MODEL_MIB * 2**20  # the weights and a Python process with torch
+    assert child > MODEL_MIB * 2**20  # the weights and a share of a Python process with torch
 
     budget = str(int(baseline + 1.5 * child))
     proc = fresh_server(store, *PROCESS, "--memory-budget", budget).start()
@@ -461,6 +463,63 @@ def test_a_request_waits_for_its_model_to_load_no_longer_than_its_deadline(
             assert metric(client, proc, "scriptserve_model_loads_total", **labels) == 1
     finally:
         proc.stop()
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every process descended from it."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += parents.get(pid, [])
+    return found
+
+
+def _sizes(pid: int) -> tuple[int, int]:
+    """A process's resident and proportional sizes (0, 0 when it is gone)."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0, 0
+    fields = dict(line.split(":", 1) for line in rollup.splitlines()[1:] if ":" in line)
+    return int(fields["Rss"].split()[0]) * 1024, int(fields["Pss"].split()[0]) * 1024
+
+
+def test_process_workers_pages_shared_with_their_fork_server_are_counted_once(
+    store: Path,
+) -> None:
+    """Four process workers of two models, forked from one fork server that imported torch:
+    the budget's accounting and its resident figure both come within 15 % of what the server's
+    process tree holds, shared pages once (the sum of its processes' proportional sizes, the
+    server's own resident size), where adding up the workers' resident sizes counts the pages
+    they share with the fork server four times."""
+    proc = fresh_server(store, *PROCESS, "--workers", "2").start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            for name, ident in (("m0", 0), ("m1", 1)):
+                assert answer(infer(client, proc, name)) == ident
+                proc.wait(lambda c, n=name: memory(c, proc, n)["residence"] == "LOADED", 30)
+            accounted = metric(client, proc, "scriptserve_memory_accounted_bytes")
+            resident = metric(client, proc, "scriptserve_memory_resident_bytes")
+            assert proc.proc is not None
+            server = proc.proc.pid
+            tree = _tree(server)
+            sizes = {pid: _sizes(pid) for pid in tree}
+            held = sizes[server][0] + sum(pss for pid, (_, pss) in sizes.items() if pid != server)
+            counted_apart = sum(rss for rss, _ in sizes.values())
+            described = client.get(f"{proc.mgmt}/models/m0", headers=proc.mgmt_headers).json()
+            workers = [w["pid"] for w in described[0]["workers"]]
+    finally:
+        proc.stop()
+    assert len(workers) == 2 and all(pid in tree for pid in workers)
+    assert 0.85 * held <= accounted <= 1.15 * held, (accounted, held)
+    assert 0.85 * held <= resident <= 1.15 * held, (resident, held)
+    assert counted_apart > 1.3 * held, (counted_apart, held)  # what sharing saves here
 
 
 def test_zipf_traffic_with_process_workers_loses_nothing(
