@@ -220,10 +220,13 @@ def _cpuinfo_flags() -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def cpu_features() -> tuple[str, ...]:
+def cpu_features(exact: bool = False) -> tuple[str, ...]:
     """This CPU's features (torch.cpu.get_capabilities() names). Read from /proc/cpuinfo
-    while torch is not imported: a server of `.pt2` models on CPU never imports it."""
-    if "torch" not in sys.modules:
+    while torch is not imported: a server of `.pt2` models on CPU never imports it. The kernel
+    names only the features it knows, where torch reads the CPU's own answer (CPUID): a kernel
+    older than a feature (AVX10.1 on a kernel that does not name it) leaves it out. `exact`
+    asks torch whatever is imported."""
+    if "torch" not in sys.modules and not exact:
         flags = _cpuinfo_flags()
         if flags is not None:
             return flags
@@ -328,8 +331,11 @@ def compatibility_problem(info: Pt2Info, device: str) -> str | None:
                 f"{device} is {arch}: {rebuild}"
             )
         return None
-    capabilities = set(cpu_features())
-    missing = [f for f in target.cpu_flags if f not in capabilities]
+    missing = [f for f in target.cpu_flags if f not in set(cpu_features())]
+    if missing and "torch" not in sys.modules:
+        # Read from /proc/cpuinfo, which may not name a feature the CPU has (`cpu_features`):
+        # torch, which reads the CPU itself, decides before a package is refused.
+        missing = [f for f in target.cpu_flags if f not in set(cpu_features(exact=True))]
     if missing:
         built_for = " ".join(filter(None, (target.isa, target.march and f"-march={target.march}")))
         return (

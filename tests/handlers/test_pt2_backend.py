@@ -8,6 +8,7 @@ import gc
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -445,16 +446,54 @@ def test_the_recorded_build_matches_this_machine(tiny: Opened) -> None:
     assert info.compile_options["noGrad"] is True
 
 
+# Features that torch reads from the CPU (CPUID) and a Linux kernel older than them does not
+# name in /proc/cpuinfo: the kernel of a 2-core Xeon with AMX here (6.18) lists no AVX10 flag
+# where torch reports AVX10.1.
+_NEWER_THAN_SOME_KERNELS = {"avx10_1", "avx10_2", "amx_fp16", "amx_complex"}
+
+
 def test_cpu_features_read_without_torch_are_the_ones_torch_reports() -> None:
     """A server of CPU `.pt2` models checks the CPU's features without importing torch, from
-    /proc/cpuinfo: the names and answers must be torch's for every feature torch knows."""
+    /proc/cpuinfo: every feature it reads there is one torch reports, under torch's name, and
+    every feature torch reports is read there but for those newer than some kernels."""
     from scriptserve.archiver.pt2_package import _cpuinfo_flags
 
     from_cpuinfo = _cpuinfo_flags()
     assert from_cpuinfo is not None
     known = {k: v for k, v in torch.cpu.get_capabilities().items() if isinstance(v, bool)}
     assert len(known) > 40
-    assert {k for k, v in known.items() if v} == {k for k in known if k in set(from_cpuinfo)}
+    has = {k for k, v in known.items() if v}
+    read = {k for k in known if k in set(from_cpuinfo)}
+    assert read <= has  # never a feature the CPU lacks
+    assert has - read <= _NEWER_THAN_SOME_KERNELS, has - read
+
+
+def test_a_package_for_this_cpu_is_not_refused_for_a_feature_the_kernel_does_not_name() -> None:
+    """A package compiled for -march=native records the features torch reported on the machine
+    that archived it. A server without torch reads /proc/cpuinfo, which may not name some of
+    them: torch then decides, and the package runs on the machine that made it; a feature the
+    CPU lacks still refuses it, with the feature named."""
+    script = """
+import sys
+from scriptserve.archiver.manifest import Pt2Info, Pt2Target
+from scriptserve.archiver.pt2_package import compatibility_problem, torch_version
+flags = tuple(sys.argv[1].split(","))
+target = Pt2Target(device="cpu", isa="AVX2", march="native", cpu_flags=flags)
+print(compatibility_problem(Pt2Info(torch_version=torch_version(), target=target), "cpu"))
+"""
+    has = [k for k, v in torch.cpu.get_capabilities().items() if v is True]
+    lacks = [k for k, v in torch.cpu.get_capabilities().items() if v is False]
+    runs = subprocess.run(
+        [sys.executable, "-c", script, ",".join(has)], capture_output=True, text=True, check=True
+    )
+    assert runs.stdout.strip() == "None", runs.stdout
+    refused = subprocess.run(
+        [sys.executable, "-c", script, ",".join([*has, lacks[0]])],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert f"this CPU lacks {lacks[0]}:" in refused.stdout, refused.stdout
 
 
 @pytest.mark.gpu
