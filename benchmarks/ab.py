@@ -32,7 +32,6 @@ from benchmarks import models, report
 from benchmarks.loadgen import run_wrk, wrk_path
 from benchmarks.models import Route, routes
 from benchmarks.servers import ServerProcess, free_ports
-from benchmarks.zoo import cpu_line
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         f"this / other per round: {' '.join(f'{r:.3f}' for r in ratios)} "
         f"(median {statistics.median(ratios):.3f})"
     )
-    host = report.closing({}, load_before, cpu_line())
+    host = report.closing({}, load_before)
     out = args.output or RESULTS / f"ab-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {

@@ -53,7 +53,6 @@ import psutil
 from benchmarks import models, report
 from benchmarks.pt2 import pt2_archive
 from benchmarks.servers import REPO, ServerProcess, free_ports
-from benchmarks.zoo import cpu_line
 
 WORK = REPO / "build" / "many_models"
 KEY = secrets.token_urlsafe(24)
@@ -423,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{budget / 2**20:.0f} MiB ({lazy_figures['peak_rss_bytes'] / budget:.2f}x); warm p99 "
         f"{warm_p99:.1f} ms against {base_p99:.1f} ms preloaded ({warm_p99 / base_p99:.2f}x)"
     )
-    host = report.closing(targets, load_before, cpu_line())
+    host = report.closing(targets, load_before)
     report.write_results(
         "many_models",
         {

@@ -40,7 +40,6 @@ from torch import nn
 from benchmarks import models, report
 from benchmarks.many_models import KEY, server
 from benchmarks.servers import REPO
-from benchmarks.zoo import cpu_line
 
 WORK = REPO / "build" / "pipelines"
 
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{medians['chained']['throughput_rps']:.0f} ({ratio:.2f}x); p99 "
         f"{medians['workflow']['p99_ms']:.0f} against {medians['chained']['p99_ms']:.0f} ms"
     )
-    host = report.closing(targets, load_before, cpu_line())
+    host = report.closing(targets, load_before)
     report.write_results(
         "pipelines",
         {

@@ -27,7 +27,6 @@ import numpy as np
 from PIL import Image
 
 from benchmarks import report
-from benchmarks.zoo import cpu_line
 from scriptserve.handlers.image_classifier import ImageClassifierHandler, Preprocessing, preset
 
 SIZES = ((320, 240), (640, 480), (1280, 960))
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             f"   tensor {r['tensor_speedup']:.1f}x the textbook's"
         )
     print(f"ms per image, median of {args.rounds} rounds of {args.images} images, one thread")
-    found = report.closing({}, load_before, cpu_line())
+    found = report.closing({}, load_before)
     report.write_results("preprocess", {"host": found, "inputs": results, "rounds": args.rounds})
     return 0
 

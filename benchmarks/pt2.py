@@ -17,7 +17,7 @@
 
 Targets (issue "PT2 archives"): served `.pt2` >= 1.0x TorchScript at no higher p99 in A and B;
 int8 `.pt2` >= 3x faster than fp32 `.pt2` at batch 32 and >= 1.3x its served req/s, archive
->= 2x smaller; cold start <= 2 s. Writes benchmarks/results/pt2.json.
+>= 2x smaller; cold start <= 2 s. Writes benchmarks/results/pt2-<date>.json.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks import models
+from benchmarks import models, report
 from benchmarks.loadgen import run_wrk
 from benchmarks.servers import REPO, free_port, scriptserve
 from scriptserve.archiver.archive import open_archive
@@ -50,7 +50,6 @@ from scriptserve.archiver.pt2_check import PackageRunner
 
 BATCHES = (1, 32, 64)
 """Batch sizes of the in-process int8 latencies (the target is at 32)."""
-RESULTS = Path(__file__).resolve().parent / "results" / "pt2.json"
 MAX_BATCH = 64
 """Rows the `.pt2` packages take at most (the server batches up to 32)."""
 
@@ -189,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--cold-runs", type=int, default=5)
-    p.add_argument("--output", type=Path, default=RESULTS)
+    p.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
     args = p.parse_args(argv)
     rounds, seconds, warmup = (1, 3.0, 1.0) if args.quick else (args.rounds, args.seconds, 2.0)
+    load_before = os.getloadavg()
     result: dict[str, Any] = {"cpus": os.cpu_count(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="bench-pt2-") as tmp:
         work = Path(tmp)
@@ -273,9 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             "runs": cold,
             "median": {k: statistics.median(v) for k, v in cold.items()},
         }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    result["host"] = report.host(load_before)
     show(result)
+    print(report.host_line(result["host"]))
+    if args.output is None:
+        report.write_results("pt2", result)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -8,13 +8,14 @@ In-process latency: medians of alternating fp32/int8 calls on one intra-op threa
 and 32. Served: a real `scriptserve serve` per variant (1 worker, 1 thread, max batch 32), loaded
 by wrk with 16 connections posting one row to /predictions; fp32 and int8 alternate, medians.
 Targets on the MLP: >= 3.5x smaller, >= 2x faster at batch 32, served req/s not lower than fp32.
-Writes benchmarks/results/quantize.json.
+Writes benchmarks/results/quantize-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks import models
+from benchmarks import models, report
 from benchmarks.loadgen import run_wrk
 from benchmarks.servers import scriptserve
 from scriptserve.archiver.archive import ArchiveSpec, build_archive, list_files, open_archive
@@ -40,7 +41,6 @@ from scriptserve.archiver.quantize import (
 )
 from scriptserve.archiver.quantize_cache import archive_samples
 
-RESULTS = Path(__file__).resolve().parent / "results" / "quantize.json"
 Runner = Callable[[np.ndarray], np.ndarray]
 
 
@@ -197,8 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantize", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer runs, shorter loads")
     parser.add_argument("--digits-archive", type=Path, help="a trained digits archive (.mar)")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, help="JSON file (default benchmarks/results/...)")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-quantize-") as tmp:
         work = Path(tmp)
@@ -221,10 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "served_rps_not_lower": mlp_result["served_rps"]["ratio"] >= 1.0,
     }
     print(f"MLP targets: {json.dumps(targets)}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    document = {"quick": args.quick, "results": results, "mlp_targets": targets}
-    args.output.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    host = report.host(load_before)
+    print(report.host_line(host))
+    document = {"quick": args.quick, "results": results, "mlp_targets": targets, "host": host}
+    if args.output is None:
+        report.write_results("quantize", document)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.output}")
     return 0
 
 

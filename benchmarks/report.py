@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks.loadgen import Run
 from benchmarks.scenarios import SCRIPTSERVE, Scenario, Summary, median
+from scriptserve.archiver.pt2_package import cpu_features, int8_isa
 
 _HEADER = (
     f"{'server':<38}{'conns':>6}{'req/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
@@ -101,24 +102,44 @@ def table(scenario: Scenario, summary: Summary) -> str:
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def cpu_line() -> str:
+    """This machine's CPU as every figure records it: its model, how many, the vector and
+    matrix instructions that change the figures (AVX2, AVX-512, VNNI, BF16, AMX) and the ones
+    oneDNN's int8 kernels use."""
+    model = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    features = set(cpu_features())
+    isa = [
+        f
+        for f in ("avx2", "avx512_f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+        if f in features
+    ]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa)} (int8 kernels: {int8_isa()})"
+
+
 def host(load_before: tuple[float, float, float]) -> dict[str, Any]:
-    """The machine around a run: its CPUs, and the load average before and now."""
+    """The machine around a run: its CPU (`cpu_line`), and the load average before and now."""
     return {
         "cpus": os.cpu_count(),
+        "cpu": cpu_line(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
 
 
-def closing(
-    targets: Mapping[str, bool], load_before: tuple[float, float, float], cpu: str
-) -> dict[str, Any]:
+def closing(targets: Mapping[str, bool], load_before: tuple[float, float, float]) -> dict[str, Any]:
     """Print each target, met or MISSED, and the host line with its CPU (model and ISA); the
     host as the results file records it."""
     for name, met in targets.items():
         print(f"  {name}: {'met' if met else 'MISSED'}")
-    found = {**host(load_before), "cpu": cpu}
-    print(host_line(found) + f"; {cpu}")
+    found = host(load_before)
+    print(host_line(found))
     return found
 
 
@@ -136,7 +157,7 @@ def host_line(host: Mapping[str, Any]) -> str:
     after = ", ".join(f"{v:.1f}" for v in host["load_average_after"])
     return (
         f"host: {host['cpus']} CPUs; load average (1, 5, 15 min) before {before}, after {after}; "
-        "other work on the machine shows up as noise"
+        f"other work on the machine shows up as noise; {host['cpu']}"
     )
 
 

@@ -39,7 +39,6 @@ from benchmarks import models, otlp_sink, report
 from benchmarks.ab import RESULTS, alternate, server
 from benchmarks.loadgen import wrk_path
 from benchmarks.servers import ServerProcess, free_port
-from benchmarks.zoo import cpu_line
 
 
 def quiet(pids: list[int], idle_share: float = 0.05, timeout_s: float = 60.0) -> None:
@@ -241,13 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, (loop_us, others_us) in cpu_medians.items():
         print(f"  {label:28s} {loop_us:7.1f} + {others_us:7.1f}")
     print(f"OTLP receiver: {received}")
-    host = {
-        "cpus": os.cpu_count(),
-        "cpu": cpu_line(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-    }
-    print(f"{report.host_line(host)}; {host['cpu']}")
+    host = report.host(load_before)
+    print(report.host_line(host))
     out = args.output or RESULTS / f"switches-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {

@@ -31,7 +31,6 @@ import psutil
 
 from benchmarks import otlp_sink, report
 from benchmarks.servers import free_port
-from benchmarks.zoo import cpu_line
 
 PER_ROUND = 500
 
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     received = sink.received
     print(f"OTLP receiver: {received}")
-    host = report.closing({}, load_before, cpu_line())
+    host = report.closing({}, load_before)
     report.write_results(
         "trace_cost",
         {

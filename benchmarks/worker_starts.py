@@ -37,7 +37,6 @@ import psutil
 
 from benchmarks import report
 from benchmarks.servers import ServerProcess, free_ports
-from benchmarks.zoo import cpu_line
 from scriptserve.archiver.cli import model_archiver_main
 
 # After the packages are imported: the folder tests/archiver would shadow the archiver package.
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         figures = ", ".join(f"{k} {v:.2f}" for k, v in medians[label].items())
         print(f"{label} (medians): {figures}")
-    host = report.closing({}, load_before, cpu_line())
+    host = report.closing({}, load_before)
     report.write_results(
         "worker_starts",
         {"argv": sys.argv[1:], "trees": trees, "medians": medians, "runs": runs, "host": host},

@@ -37,14 +37,13 @@ import torch
 
 from benchmarks import torchserve
 from benchmarks.loadgen import STEADY_WARMUP_S, steady_load
-from benchmarks.report import write_results
+from benchmarks.report import cpu_line, write_results
 from benchmarks.servers import scriptserve
 from examples.zoo import ZOO, Built, build, built_in, greedy_continuation
 from scriptserve.archiver.archive import open_archive
 from scriptserve.archiver.cli import model_archiver_main
 from scriptserve.archiver.precision import precision_isa
 from scriptserve.archiver.pt2_check import call_model
-from scriptserve.archiver.pt2_package import cpu_features, int8_isa
 from scriptserve.handlers.backends import load_backend
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,24 +51,6 @@ WORK = REPO / "build" / "zoo"
 TEXT_TOKENS = 128
 """Tokens per text in the in-process runs (padded): BERT-base's usual serving length."""
 Runner = Callable[[], None]
-
-
-def cpu_line() -> str:
-    model = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        "unknown CPU",
-    )
-    features = set(cpu_features())
-    isa = [
-        f
-        for f in ("avx2", "avx512_f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
-        if f in features
-    ]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa)} (int8 kernels: {int8_isa()})"
 
 
 # -- the machine's peak ------------------------------------------------------------------------
