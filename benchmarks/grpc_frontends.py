@@ -135,11 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{median([r.p99_ms for r in results]):>9.2f}{median(cpu_us[label]):>13.0f} us"
             f"{median(ratios):>12.2f}x"
         )
-    host = {
-        "cpus": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-    }
+    host = report.host(load_before)
     lines.append(report.host_line(host))
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)

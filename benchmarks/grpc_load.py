@@ -613,11 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured, headroom = loads(server, bodies, opts)
             results = run_rounds(server, measured, headroom, opts)
             printed = table(measured, headroom, opts, results)
-        host = {
-            "cpus": os.cpu_count(),
-            "load_average_before": list(load_before),
-            "load_average_after": list(os.getloadavg()),
-        }
+        host = report.host(load_before)
         document = {
             "benchmark": "grpc_load",
             "started": started.isoformat(timespec="seconds"),

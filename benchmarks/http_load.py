@@ -155,11 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for scenario in chosen:
             run_scenario(scenario, opts)
             results.append((scenario, scenario.summarise()))
-        host = {
-            "cpus": os.cpu_count(),
-            "load_average_before": list(load_before),
-            "load_average_after": list(os.getloadavg()),
-        }
+        host = report.host(load_before)
         document = {
             "benchmark": "http_load",
             "started": started.isoformat(timespec="seconds"),

@@ -245,11 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         with scriptserve("scriptserve", store, MODEL, 1, 1, 32) as server:
             rounds = [asyncio.run(run_round(server, opts)) for _ in range(opts.rounds)]
     figures = medians(rounds)
-    host = {
-        "cpus": os.cpu_count(),
-        "load_average_before": before,
-        "load_average_after": os.getloadavg(),
-    }
+    host = report.host(before)
     document = {
         "benchmark": "streaming",
         "started": started.isoformat(timespec="seconds"),

@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print("requests answered 200 per second:")
     print("\n".join(timeline(result)))
     print("\n".join(summary(result)))
-    host = {
-        "cpus": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-    }
+    host = report.host(load_before)
     print(report.host_line(host))
     out = args.output or RESULTS / f"rollout-{started:%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
