@@ -1,6 +1,7 @@
 """Could a different gRPC front end serve unary ModelInfer as fast as REST? Its upper bound.
 
     python -m benchmarks.grpc_frontends            # 3 rounds of 6 s runs: about 3 minutes
+    python -m benchmarks.grpc_frontends --before /tmp/before-venv/bin/python
 
 Beside scriptserve (scenario A's MLP, the scenarios' settings) loaded over REST JSON
 (`/predictions/mlp`, wrk) and over gRPC unary ModelInfer with raw tensors (h2load), two gRPC
@@ -9,7 +10,8 @@ grpc.aio on one event loop, and grpc's thread-pool server. Each runs in a proces
 its figure bounds both designs the issue names: a front end in the serving process that holds
 the GIL less, and a front-end process feeding the workers through shared memory (which would add
 the hand-off to this). 32 connections with one request in flight each, every load in turn, each
-round; ratios to scriptserve's REST JSON taken within a round. Results go to
+round; ratios to scriptserve's REST JSON taken within a round. With `--before`, a scriptserve of
+another tree's python is loaded over gRPC ModelInfer too, in the same rounds. Results go to
 benchmarks/results/grpc_frontends-<date>.json.
 """
 
@@ -32,7 +34,7 @@ from benchmarks import ab, models, report
 from benchmarks.grpc_load import GRPC_HEADERS, SERVICE, write_bodies
 from benchmarks.loadgen import LoadResult, run_h2load, run_wrk
 from benchmarks.scenarios import median
-from benchmarks.servers import REPO, free_port
+from benchmarks.servers import REPO, ServerProcess, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -61,6 +63,10 @@ def echo_server(mode: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         proc.wait(10)
 
 
+def _grpc_address(server: ServerProcess) -> str:
+    return server.argv[server.argv.index("--grpc-inference-address") + 1]
+
+
 def cpu_seconds(pid: int) -> float:
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
@@ -74,6 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--before", help="python of another tree, served over gRPC ModelInfer too")
     return p.parse_args(argv)
 
 
@@ -90,7 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             served = stack.enter_context(
                 ab.server("scriptserve", sys.executable, workdir / "store", {})
             )
-            grpc_address = served.argv[served.argv.index("--grpc-inference-address") + 1]
+            grpc_address = _grpc_address(served)
+            before = (
+                stack.enter_context(ab.server("before", opts.before, workdir / "store", {}))
+                if opts.before
+                else None
+            )
             aio = stack.enter_context(echo_server("aio"))
             sync = stack.enter_context(echo_server("sync"))
             assert served.proc is not None
@@ -110,6 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             loads: dict[str, tuple[Callable[[float], LoadResult], int]] = {
                 "scriptserve REST JSON /predictions": (rest, served.proc.pid),
                 "scriptserve gRPC ModelInfer": (h2(grpc_address), served.proc.pid),
+                **(
+                    {"before gRPC ModelInfer": (h2(_grpc_address(before)), before.proc.pid)}
+                    if before is not None and before.proc is not None
+                    else {}
+                ),
                 "grpc.aio echo (no model)": (h2(aio[0]), aio[1].pid),
                 "grpc thread-pool echo (no model)": (h2(sync[0]), sync[1].pid),
             }
@@ -135,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{median([r.p99_ms for r in results]):>9.2f}{median(cpu_us[label]):>13.0f} us"
             f"{median(ratios):>12.2f}x"
         )
+    if "before gRPC ModelInfer" in runs:
+        ours, theirs = runs["scriptserve gRPC ModelInfer"], runs["before gRPC ModelInfer"]
+        ratios = [a.rps / b.rps for a, b in zip(ours, theirs, strict=True)]
+        rounds = " ".join(f"{r:.2f}" for r in ratios)
+        lines.append(f"gRPC ModelInfer, this tree / before: {median(ratios):.3f} ({rounds})")
     host = report.host(load_before)
     lines.append(report.host_line(host))
     print("\n".join(lines))

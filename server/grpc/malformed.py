@@ -1,11 +1,11 @@
-"""MalformedMessageInterceptor: a request that is not a valid protobuf message is the client's
-error, answered INVALID_ARGUMENT with a plain message, never UNKNOWN with a traceback.
+"""A request that is not a valid protobuf message is the client's error, answered
+INVALID_ARGUMENT with a plain message, never UNKNOWN with a traceback.
 
 grpc.aio decodes each request with the method handler's `request_deserializer` before the
 servicer runs; when that raises, grpc logs a traceback and answers UNKNOWN with the parser's
-class name in the details. The interceptor wraps the deserializer so that a message that does
-not parse becomes a `MalformedMessage`, and wraps the behaviour so that the servicer never sees
-one:
+class name in the details. `register` wraps every method's handler once, when a servicer is
+added to a server: its deserializer turns a message that does not parse into a
+`MalformedMessage`, and its behaviour makes sure that the servicer never sees one:
 
 - one request (unary-unary, unary-stream): the call ends with INVALID_ARGUMENT before the
   servicer runs;
@@ -14,15 +14,19 @@ one:
   TorchServe's `StreamPredictions2` with a `PredictionResponse` whose status is
   INVALID_ARGUMENT; the stream goes on. Other streaming methods end with INVALID_ARGUMENT.
 
-Replies written for the interceptor and the servicer's own go through one lock, since gRPC
-takes one write at a time per call.
+Replies written for the wrapper and the servicer's own go through one lock, since gRPC takes one
+write at a time per call. The handlers are wrapped at registration, not by a server
+interceptor: an interceptor runs a coroutine of its own in every call, and a server with any
+interceptor leaves grpc.aio's lookup of registered methods (`python -m benchmarks.grpc_load`).
+
+    register(server, oip_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -179,25 +183,33 @@ def _wrapped(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
     )
 
 
-class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Answer requests that do not parse with INVALID_ARGUMENT (see the module)."""
+class _Registrations:
+    """Stands for a server while a generated `add_..._to_server` registers a servicer: keeps
+    the methods' handlers, by service, to be wrapped before they reach the server."""
 
     def __init__(self) -> None:
-        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-        """Per method: the handler last seen and its wrapped twin, so a call wraps nothing."""
+        self.services: list[tuple[str, dict[str, grpc.RpcMethodHandler]]] = []
+        self.generic = 0
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        known = self._handlers.get(method)
-        if known is not None and known[0] is handler:
-            return known[1]
-        wrapped = _wrapped(handler, method)
-        self._handlers[method] = (handler, wrapped)
-        return wrapped
+    def add_generic_rpc_handlers(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
+        self.generic += len(handlers)  # the same methods, registered by name below
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.services.append((service, handlers))
+
+
+def register(server: grpc.aio.Server, add: Callable[[Any, Any], None], servicer: Any) -> None:
+    """`add(servicer, server)`, a generated registration, with every method's requests checked
+    (see the module)."""
+    registrations = _Registrations()
+    add(servicer, registrations)
+    if registrations.generic != len(registrations.services):
+        raise RuntimeError(f"{add.__name__} registers handlers that are not by method name")
+    for service, handlers in registrations.services:
+        checked = {
+            name: _wrapped(handler, f"/{service}/{name}") for name, handler in handlers.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, checked),))
+        server.add_registered_method_handlers(service, checked)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from scriptserve.server.grpc._generated import (
     inference_pb2,
@@ -24,7 +24,7 @@ from scriptserve.server.grpc._generated import open_inference_grpc_pb2_grpc as o
 from scriptserve.server.grpc.access import AccessInterceptor
 from scriptserve.server.grpc.auth import interceptors
 from scriptserve.server.grpc.inference import InferenceServicer, TorchServeInferenceServicer
-from scriptserve.server.grpc.malformed import MalformedMessageInterceptor
+from scriptserve.server.grpc.malformed import register
 from scriptserve.server.grpc.management import ManagementServicer
 from scriptserve.server.grpc.tracing import TracingInterceptor
 from scriptserve.server.inference.dataplane import DataPlane
@@ -102,34 +102,37 @@ class GrpcServers:
         if tracing is not None and tracing.enabled:
             logged.append(TracingInterceptor(tracing))
         inference_keys = interceptors(keys, "inference", REPOSITORY_METHODS)
-        self.inference = grpc.aio.server(
-            options=options,
-            interceptors=[*logged, *inference_keys, MalformedMessageInterceptor()],
-        )
+        self.inference = grpc.aio.server(options=options, interceptors=[*logged, *inference_keys])
         self.management = grpc.aio.server(
-            options=options,
-            interceptors=[
-                *logged,
-                *interceptors(keys, "management"),
-                MalformedMessageInterceptor(),
-            ],
+            options=options, interceptors=[*logged, *interceptors(keys, "management")]
         )
         self._health: list[health.aio.HealthServicer] = []
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(dataplane, repository, keys), self.inference
+        # Every servicer through `register`: requests that do not parse are INVALID_ARGUMENT.
+        register(
+            self.inference,
+            oip_grpc.add_GRPCInferenceServiceServicer_to_server,
+            InferenceServicer(dataplane, repository, keys),
         )
-        ts_grpc.add_InferenceAPIsServiceServicer_to_server(
-            TorchServeInferenceServicer(dataplane), self.inference
+        register(
+            self.inference,
+            ts_grpc.add_InferenceAPIsServiceServicer_to_server,
+            TorchServeInferenceServicer(dataplane),
         )
-        mgmt_grpc.add_ManagementAPIsServiceServicer_to_server(
-            ManagementServicer(management), self.management
+        register(
+            self.management,
+            mgmt_grpc.add_ManagementAPIsServiceServicer_to_server,
+            ManagementServicer(management),
         )
         for server, services in ((self.inference, [_OIP, _TS]), (self.management, [_MGMT])):
             checker = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+            register(server, health_pb2_grpc.add_HealthServicer_to_server, checker)
             self._health.append(checker)
             names = [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-            reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+            register(
+                server,
+                reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+                reflection.aio.ReflectionServicer([*names, reflection.SERVICE_NAME]),
+            )
         self._services = ([_OIP, _TS], [_MGMT])
 
     def bind(self, inference_address: str, management_address: str) -> tuple[int, int]:
