@@ -481,8 +481,9 @@ flags = tuple(sys.argv[1].split(","))
 target = Pt2Target(device="cpu", isa="AVX2", march="native", cpu_flags=flags)
 print(compatibility_problem(Pt2Info(torch_version=torch_version(), target=target), "cpu"))
 """
-    has = [k for k, v in torch.cpu.get_capabilities().items() if v is True]
-    lacks = [k for k, v in torch.cpu.get_capabilities().items() if v is False]
+    capabilities = torch.cpu.get_capabilities()
+    has = [k for k, v in capabilities.items() if v is True]
+    lacks = [k for k, v in capabilities.items() if v is False] or ["a_feature_no_cpu_has"]
     runs = subprocess.run(
         [sys.executable, "-c", script, ",".join(has)], capture_output=True, text=True, check=True
     )
