@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scriptserve.server.errors import ModelNotReady, ServingError
+from scriptserve.server.models.process_sizes import Reading, read_processes, resident_bytes
 from scriptserve.server.observability.metrics import MemoryStats
 
 if TYPE_CHECKING:
@@ -125,53 +126,6 @@ def parse_budget(text: str, limit: Callable[[], int] = memory_limit) -> int:
     if budget <= 0:
         raise ValueError(f"memory budget {text!r} must be more than 0 bytes")
     return budget
-
-
-def resident_bytes(pid: int | str = "self") -> int:
-    """A process's resident size (0 when it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-@dataclass(frozen=True)
-class Reading:
-    """A process's sizes read together: resident, and proportional (each page it shares divided
-    by the processes that map it, so a set of processes' proportional sizes add up to what
-    they hold together, shared pages once), and its parent's pid."""
-
-    resident: int
-    proportional: int
-    parent: int
-
-
-def read_process(pid: int) -> Reading | None:
-    """`pid`'s sizes (None when it is gone). `smaps_rollup` walks every mapping of the process:
-    milliseconds for one with torch, so it is read at loads and unloads, not per look."""
-    try:
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in rollup.splitlines()[1:] if ":" in line)
-    try:
-        resident, proportional = (int(fields[name].split()[0]) * 1024 for name in ("Rss", "Pss"))
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-    except (KeyError, IndexError, ValueError):
-        return None
-    return Reading(resident, proportional, parent)
-
-
-def read_processes(pids: Iterable[int]) -> dict[int, Reading]:
-    """Worker processes' sizes and those of the fork servers they were forked from (their
-    parents other than this process), by pid; run in a thread."""
-    found = {pid: reading for pid in pids if (reading := read_process(pid)) is not None}
-    for parent in {reading.parent for reading in found.values()} - {os.getpid(), *found}:
-        reading = read_process(parent)
-        if reading is not None:
-            found[parent] = reading
-    return found
 
 
 MMAP_THRESHOLD = 128 * 1024
