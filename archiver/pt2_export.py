@@ -2,17 +2,17 @@
 by the user; checked by archiver/pt2_check.py through the C ABI the server uses.
 
 `build_package` exports with a dynamic batch dimension, `Dim("batch", min=1, max=max_batch)`
-(exporting with a fixed batch and re-exporting later fails: the first export records a guard
-that the batch equals the example's) and, for models of token sequences, a dynamic sequence
-dimension `Dim("seq", min=1, max=max_seq_len)` shared by every input shaped [batch, seq, ...]
-(`input_ids`, `attention_mask`, `token_type_ids`), so that a request is padded to its batch's
-longest row rather than to the sample's length. The bound is `--max-seq-len`, else a Hugging Face
-model's `config.max_position_embeddings` when the sample holds token ids. The model is called
-with its inputs by keyword, so a sample may name any of its forward's parameters. It compiles with
+(exporting with a fixed batch and re-exporting later fails: the first export records a guard that
+the batch equals the example's) and, for models of token sequences, a dynamic sequence dimension
+`Dim("seq", min=1, max=max_seq_len)` shared by every input shaped [batch, seq, ...] (`input_ids`,
+`attention_mask`, `token_type_ids`), so that a request is padded to its batch's longest row rather
+than to the sample's length. The bound is `--max-seq-len`, else a Hugging Face model's
+`config.max_position_embeddings` when the sample holds token ids. The model is called with its
+inputs by keyword, so a sample may name any of its forward's parameters. It compiles with
 `torch._inductor.aoti_compile_and_package`. fp32 models compile under `torch.no_grad()` with
-Inductor freezing, which prepacks linear weights for oneDNN: 1.25x faster on the bench MLP
-(Inductor freezes only while grad is off). The largest batch is `--max-batch`, else the model
-config's `batchSize`, else 256.
+Inductor freezing, which prepacks linear weights for oneDNN, measurably faster on the bench MLP
+(benchmarks/README.md; Inductor freezes only while grad is off). The largest batch is `--max-batch`,
+else the model config's `batchSize`, else 256.
 
 Compiling writes to Inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default under /tmp): about
 23 s from an empty cache, 8 s from a warm one, for the bench MLP on 2 cores.

@@ -214,8 +214,8 @@ async def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     await prepare_model_store(settings)  # before any port is bound
     # Workers run the model without the GIL but need it back to hand results over; with
-    # Python's 5 ms default they queue behind a busy event loop (measured: 1 ms serves the
-    # overhead-bound benchmark ~1.3x faster). The server owns its process, so this is set here.
+    # Python's 5 ms default they queue behind a busy event loop (1 ms serves the overhead-bound
+    # benchmark faster: benchmarks/README.md). The server owns its process, so it is set here.
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     gc.set_threshold(settings.gc_young_threshold, 20, 20)
     keys = resolve_keys(settings)  # SecurityConfigError: the CLI exits 2 with its one line

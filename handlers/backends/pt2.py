@@ -1,8 +1,8 @@
 """AOTInductor backend: a `.pt2` package's compiled model, called through the AOTInductor
 runtime's C ABI (handlers/runtime/aoti.py), which releases the GIL for the whole call.
 
-PyTorch's own runners hold the GIL while the model runs (pytorch/pytorch#197516): measured
-0.93x from 1 to 2 threads, against 2.37x through the C ABI.
+PyTorch's own runners hold the GIL while the model runs (pytorch/pytorch#197516): a second
+thread serves no more through them, and through the C ABI it does (benchmarks/README.md).
 
 A package is refused at load, with what to do, when it was compiled with another torch
 release, for another device, or for instructions this CPU lacks (the archive's manifest

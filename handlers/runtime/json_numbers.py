@@ -1,8 +1,8 @@
 """JSON arrays of numbers read straight into numpy, without a Python number per element.
 
 `orjson.loads` makes a Python float of every number and `np.asarray` then reads them back one by
-one: 17 µs for scenario A's 512-number row on the build machine, all of it holding the GIL. simdjson
-(pysimdjson) parses the same text and hands the numbers over as one flat buffer of doubles: 7 µs.
+one, all of it holding the GIL. simdjson (pysimdjson) parses the same text and hands the numbers
+over as one flat buffer of doubles, in well under half the time (benchmarks/README.md).
 This is where a JSON tensor is decoded: a `/predictions` body (`signature.arrays_from_text`) and
 the `data` of an Open Inference Protocol input (the REST codec).
 
@@ -101,7 +101,7 @@ def rows_from_texts(texts: Sequence[bytes], dtype: np.dtype[Any]) -> np.ndarray 
     text holds one `]` too (the one it ends with), and row i is text i, so no text lends numbers
     to another's row. A text with nested arrays (an instance of more than one dimension) is
     turned away by its count of `[` before anything is parsed. One parse for a batch costs about
-    half of one parse per text (scenario A's 512 numbers: 6.3 against 11.0 us a row at 15 rows).
+    half of one parse per text.
 
     >>> rows_from_texts([b"[1, 2]", b" [3, 4]\\n"], np.dtype("float32")).tolist()
     [[1.0, 2.0], [3.0, 4.0]]
@@ -127,9 +127,9 @@ def loads(text: bytes, lazy_key: str) -> Any:
     orjson's own message.
 
     A text in which the key is not written as it is (an OIP binary request's JSON header, which
-    carries no `data`) is orjson's alone: walking simdjson's values in Python costs ~6.7 µs for
-    such a 139-byte header, orjson 0.6 µs. A key written with escapes is read that way too, as
-    a list, which the caller's general path takes."""
+    carries no `data`) is orjson's alone: walking simdjson's values in Python costs about ten
+    times orjson's parse of such a small header. A key written with escapes is read that way
+    too, as a list, which the caller's general path takes."""
     if b'"%s"' % lazy_key.encode() not in text:
         return orjson.loads(text)
     try:
@@ -170,7 +170,7 @@ class _RepeatedKey(Exception):
 class _Walk:
     """simdjson's values as Python's, counting the arrays it meets: every `[` of a text whose
     lazy arrays are rectangular arrays of numbers. (A loop per container with the scalars
-    taken inline: 4.1 us for an OIP request's envelope, against 5.0 with a call per value.)"""
+    taken inline: a call per value cost a fifth more.)"""
 
     def __init__(self, lazy_key: str) -> None:
         self.lazy_key = lazy_key

@@ -114,8 +114,8 @@ class Signature:
         default_factory=dict, init=False, repr=False, compare=False
     )
     """(name, dtype, shape) of inputs `check_inputs` accepted, at most `_ACCEPTED_KEPT`: a
-    request is checked by the data plane and again by its handler, each check 2 us of the
-    GIL for one input, a lookup here 0.3."""
+    request is checked by the data plane and again by its handler, and a lookup here costs
+    a fraction of a check, which holds the GIL."""
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)

@@ -2,12 +2,12 @@
 
 A request not answered by its deadline is withdrawn from its model's queue and answered 504,
 whatever its worker does (`expire`). Each request could have a timer of its own, set when it is
-queued and cancelled when it is answered; with uvloop that pair costs 2.3 us of the event loop
-per request (measured on a 2-core Xeon), about as much as a quarter of the data plane's own
-work. Here the deadlines wait in one heap, in the order they fall due, and one timer is set for
-the earliest: an answered request's entry is only marked, and dropped when it reaches the top
-or when marked entries outnumber the others (as asyncio's own loop keeps its cancelled timers).
-A request is expired at its deadline, as by a timer of its own.
+queued and cancelled when it is answered; with uvloop that pair costs the event loop about as much
+as a quarter of the data plane's own work a request. Here the deadlines wait in one heap, in the
+order they fall due, and one timer is set for the earliest: an answered request's entry is only
+marked, and dropped when it reaches the top or when marked entries outnumber the others (as
+asyncio's own loop keeps its cancelled timers). A request is expired at its deadline, as by a timer
+of its own.
 
     deadlines = Deadlines()
     entry = deadlines.add(job, batcher, budget_s)   # when queued

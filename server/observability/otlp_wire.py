@@ -2,8 +2,8 @@
 
 The exporter process (`span_export.py`) turns each request's `SpanRecord` into spans. Through the
 SDK, that is a `ReadableSpan` per span, then the SDK's encoder building the protobuf messages
-field by field: 193 us for a request's eight spans on the machine of benchmarks/README.md, where
-writing the same spans' bytes here takes 19 us. The bytes are those the SDK's encoder makes of
+field by field, about ten times what writing the same spans' bytes here takes (benchmarks/
+README.md). The bytes are those the SDK's encoder makes of
 the same spans (`tests/server/test_otlp_wire.py` holds them against it): the messages of
 `opentelemetry/proto/trace/v1/trace.proto`, fields in their numbers' order.
 

@@ -1,18 +1,18 @@
 """Spans leave the server from a process of their own: the server hands each sampled request's
 recorded times over as plain data, and the exporter process makes the spans and sends them.
 
-Making a request's nine spans with OpenTelemetry's Python SDK took 169 us of the event loop, and
-encoding and sending them 237 us more on the SDK's export thread, which holds the same GIL as
-the loop. Here the loop only appends the request's `SpanRecord` (tuples and dicts, made in
-`tracing.py`) to a queue; the server's sender thread pickles what is queued every 100 ms and
-writes it to the exporter's stdin; the exporter (`python -m
-scriptserve.server.observability.span_export`) writes each record's spans as OTLP's protobuf
-bytes (`otlp_wire.py`, in a tenth of the time of the SDK's spans and encoder) and sends them with
-the SDK's OTLP exporter, configured from the tracing settings and the `OTEL_EXPORTER_OTLP_*`
-variables. It batches them as the SDK's batch span processor does and from the same variables:
-an export once `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans (512) are waiting, or
-`OTEL_BSP_SCHEDULE_DELAY` ms (5000) after the oldest arrived: each export costs the exporter and
-the collector work of its own, whatever its size.
+Making a request's nine spans with OpenTelemetry's Python SDK took more of the event loop than the
+rest of a request, and encoding and sending them more again on the SDK's export thread, which holds
+the same GIL as the loop (benchmarks/README.md). Here the loop only appends the request's
+`SpanRecord` (tuples and dicts, made in `tracing.py`) to a queue; the server's sender thread pickles
+what is queued every 100 ms and writes it to the exporter's stdin; the exporter (`python -m
+scriptserve.server.observability.span_export`) writes each record's spans as OTLP's protobuf bytes
+(`otlp_wire.py`, in a tenth of the time of the SDK's spans and encoder) and sends them with the
+SDK's OTLP exporter, configured from the tracing settings and the `OTEL_EXPORTER_OTLP_*` variables.
+It batches them as the SDK's batch span processor does and from the same variables: an export once
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans (512) are waiting, or `OTEL_BSP_SCHEDULE_DELAY` ms (5000)
+after the oldest arrived: each export costs the exporter and the collector work of its own, whatever
+its size.
 
 The loop never waits on the exporter. The exporter reads no more while it exports, so a slow
 collector fills the pipe and then the server's queue: at most `OTEL_BSP_MAX_QUEUE_SIZE`

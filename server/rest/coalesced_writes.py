@@ -10,13 +10,13 @@ someone wrote in a single call). Closing, half-closing and aborting see held byt
 Everything else is the wrapped transport's.
 
 The write itself is made with `os.write` on the connection's descriptor when the transport has
-nothing buffered (a plain TCP transport; TLS always goes through the transport): Python lets go
-of the GIL for that system call, where uvloop's `write` holds it. On loopback the `send()`
-carries the whole TCP path to the reader, and it was 46 % of the event loop's GIL-held samples
-in benchmark scenario A, time the worker threads waited through to get the GIL back after a
-forward pass (against the same tree writing through uvloop, 6 rounds: 1.14x the requests per
-second). What the socket does not take at once (a full send buffer) goes to the transport,
-which buffers it and applies its flow control as before.
+nothing buffered (a plain TCP transport; TLS always goes through the transport): Python lets go of
+the GIL for that system call, where uvloop's `write` holds it. On loopback the `send()` carries the
+whole TCP path to the reader, and it was nearly half of the event loop's GIL-held samples in
+benchmark scenario A, time the worker threads waited through to get the GIL back after a forward
+pass (benchmarks/README.md has the requests a second it gained). What the socket does not take at
+once (a full send buffer) goes to the transport, which buffers it and applies its flow control as
+before.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ whether the server drains (`server/rest/connections.py` holds one connection's p
 
 A keep-alive connection idle for `http_keepalive_timeout_s` is closed by one timer for them all,
 set for the longest-idle one, where uvicorn sets and cancels a timer of its own after every
-answer (2.3 us of the event loop a request with uvloop, measured on a 2-core Xeon).
+answer, a cost on the event loop for every request.
 
 At the limit on open connections (across the HTTP servers), a new connection closes the
 longest-idle one (a keep-alive connection between requests, or one that has sent nothing

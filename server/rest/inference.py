@@ -37,9 +37,9 @@ class DirectRoute(APIRoute):
     """A route whose endpoint takes the Request and returns a Response itself.
 
     It is documented like any FastAPI route, but served by Starlette's plain request/response
-    wrapper: no dependency solving and no per-call exit stacks, which cost ~15 % of the event
-    loop's time per request on the inference path (measured: 0.77x -> 0.91x of a bare FastAPI
-    endpoint's requests/s in benchmark scenario A). Errors still reach the app's handlers.
+    wrapper: no dependency solving and no per-call exit stacks, a large share of the event
+    loop's time per request on the inference path (benchmarks/README.md). Errors still reach
+    the app's handlers.
     """
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:

@@ -187,8 +187,8 @@ class ProtocolCycle(RequestResponseCycle):
         """The whole request is in: hand it to the data plane at the end of this turn of the
         event loop, once every connection with bytes to read has been read. Queued in one
         burst, the turn's requests are batched together, where handing each over as it is
-        parsed wakes a worker for the first one alone (measured on OIP's binary route: 1.11x
-        the requests per second of handing them over at once). An observed request runs with
+        parsed wakes a worker for the first one alone (fewer requests a second on OIP's binary
+        route: benchmarks/README.md). An observed request runs with
         its observation current, where the data plane notes what the access log and tracing
         record."""
         self.running = True
