@@ -18,8 +18,10 @@ server's machine). After each load the benchmark waits for the servers and the r
 quiet, so spans still being exported from one server's round are not charged to the next.
 Prints each round, the medians and the per-round ratios to both off, and each server's CPU per
 request (medians over its loads) on the event loop's thread and on its other threads (workers,
-the access log's writer): where a switch's cost lands. Writes them all to
-benchmarks/results/switches-<date>.json.
+the access log's writer): where a switch's cost lands. Then what the run says of each switch's
+target (`TARGETS`, issue #34's): a median ratio counts only as far as the control is from 1
+(`verdict`), so a run on a noisy machine says "not decided" rather than a figure that only
+looks met or missed. Writes them all to benchmarks/results/switches-<date>.json.
 """
 
 from __future__ import annotations
@@ -70,6 +72,28 @@ def _cpu_seconds(procs: list[psutil.Process]) -> float:
         except psutil.NoSuchProcess:
             continue  # it exited between the readings
     return total
+
+
+TARGETS = {"access-log": 0.95, "access-log-plain": 0.95, "tracing-0.01": 0.97, "tracing-0": 0.99}
+"""The least a switch may keep of both off's requests a second."""
+
+
+def verdict(ratio: float, control: float, target: float) -> str:
+    """What one run says of a target, given a switch's median ratio to both off and the
+    control's median (both off against both off): the control's distance from 1 is what the
+    machine's noise alone made of a ratio in that run, so the ratio shows the target `met` only
+    when it clears it by that much, `not met` only when it falls short by that much, and is
+    `not decided` in between.
+
+    >>> verdict(0.910, 1.025, 0.95), verdict(0.957, 1.025, 0.97), verdict(1.0, 1.0, 0.99)
+    ('not met', 'not decided', 'met')
+    """
+    noise = abs(control - 1.0)
+    if ratio - noise >= target:
+        return "met"
+    if ratio + noise < target:
+        return "not met"
+    return "not decided"
 
 
 def copies(label: str, count: int) -> list[str]:
@@ -239,6 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     print("CPU per request, medians, us: event loop's thread + the other threads")
     for label, (loop_us, others_us) in cpu_medians.items():
         print(f"  {label:28s} {loop_us:7.1f} + {others_us:7.1f}")
+    control_median = statistics.median(control)
+    verdicts = {
+        label: {
+            "target": TARGETS[label],
+            "median": statistics.median(values),
+            "verdict": verdict(statistics.median(values), control_median, TARGETS[label]),
+        }
+        for label, values in ratios.items()
+        if label in TARGETS
+    }
+    print(f"targets (a ratio counts as far as the control, {control_median:.3f}, is from 1):")
+    for label, found in verdicts.items():
+        print(f"  {label:28s} {found['median']:.3f} against {found['target']}: {found['verdict']}")
     print(f"OTLP receiver: {received}")
     host = report.host(load_before)
     print(report.host_line(host))
@@ -259,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_us_per_request": cpu,
         "cpu_us_per_request_medians": cpu_medians,
         "ratios_to_before": against_before,
+        "targets": verdicts,
         "otlp_receiver": received,
     }
     out.write_text(report.compact_json(document))
