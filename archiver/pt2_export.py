@@ -14,8 +14,8 @@ Inductor freezing, which prepacks linear weights for oneDNN, measurably faster o
 (benchmarks/README.md; Inductor freezes only while grad is off). The largest batch is `--max-batch`,
 else the model config's `batchSize`, else 256.
 
-Compiling writes to Inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default under /tmp): about
-23 s from an empty cache, 8 s from a warm one, for the bench MLP on 2 cores.
+Compiling writes to Inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default under /tmp); a warm
+cache takes a fraction of a cold compile's time (benchmarks/README.md).
 
     build = build_package(Pt2Source(weights=Path("w.pt"), model_file=Path("model.py")),
                           sample, max_batch=64, dst=Path("work/model.pt2"))

@@ -86,7 +86,7 @@ class _Server(uvicorn.Server):
 
 
 def _torch_has_cuda() -> bool:
-    """Whether the installed torch is a CUDA build, without importing it (about 1.1 s of the
+    """Whether the installed torch is a CUDA build, without importing it (most of the
     start; a server of `.pt2` or ONNX models on CPU never needs it): its lib/ holds
     libtorch_cuda.so."""
     if "torch" in sys.modules:

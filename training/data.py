@@ -98,7 +98,7 @@ DIGITS_FILE = ("datasets", "data", "digits.csv.gz")
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The digits as 8x8 images of 0..16 intensities (float64) and their labels: what
     `sklearn.datasets.load_digits` gives, read from scikit-learn's own file without importing
-    scikit-learn, which imports SciPy: about 2.5 s of CPU in every process that trains, each
+    scikit-learn, which imports SciPy: seconds of CPU in every process that trains, each
     rank of a torchrun among them. Where the file is not (another layout), scikit-learn
     loads it."""
     spec = importlib.util.find_spec("sklearn")

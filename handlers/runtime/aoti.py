@@ -155,9 +155,9 @@ _libtorch: ctypes.CDLL | None = None
 
 def load_libtorch() -> None:
     """Make libtorch's C shim, which compiled models link against, resolvable, without
-    `import torch` (about 1.1 s of a server's start): libtorch_cpu from the installed torch,
-    loaded with RTLD_GLOBAL. Once torch is imported it is loaded already; importing torch
-    later finds the same library."""
+    `import torch` (most of a server's start: benchmarks/README.md): libtorch_cpu from the
+    installed torch, loaded with RTLD_GLOBAL. Once torch is imported it is loaded already;
+    importing torch later finds the same library."""
     global _libtorch  # noqa: PLW0603 - one load per process
     if _libtorch is not None or "torch" in sys.modules:
         return

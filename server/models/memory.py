@@ -153,9 +153,9 @@ def freeze_heap() -> None:
     """Collect, then move every object alive now out of the cyclic collector's sight.
 
     A loaded model leaves ~200k long-lived objects (torch, the handler, the model); each full
-    collection walked them all, taking up to ~140 ms of GIL time under load. Frozen objects are
-    still freed by reference counting. The collection walks only what is not frozen yet, the
-    objects made since the last freeze.
+    collection walked them all, holding the GIL long enough to stall every request under load.
+    Frozen objects are still freed by reference counting. The collection walks only what is not
+    frozen yet, the objects made since the last freeze.
     """
     gc.collect()
     gc.freeze()
@@ -168,7 +168,7 @@ def release_heap(pool: AnyWorkerPool) -> None:
     Refcounting frees a stopped version's handlers, and so its model, when nothing else holds
     them. A handler still alive is held by a reference cycle (or a stuck thread): then the heap
     is unfrozen and collected whole. That walks every object of the process, holding the GIL
-    all along (~130 ms for 600k objects: a stall for every request, from any thread), so it is
+    all along (a stall for every request, from any thread), so it is
     not done when nothing needs it.
     """
     alive = pool.handlers_alive()

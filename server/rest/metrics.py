@@ -1,7 +1,7 @@
 """The metrics app: `GET /metrics` in Prometheus text format.
 
 A scrape is rendered in a thread, not on the event loop: with hundreds of models it takes
-hundreds of milliseconds (360 ms for 200), which on the loop would stall every request of
+hundreds of milliseconds (benchmarks/README.md), which on the loop would stall every request of
 every model for as long."""
 
 from __future__ import annotations

@@ -129,8 +129,8 @@ class ThreadRunner:
         for slot_id, device in places:
             handler, context = self._handler_for(pool, device)
             # On this (loading) thread: what a model sets up on its first calls serves the
-            # worker thread too (measured for TorchScript: 52 ms cold, 0.7 ms for the first call
-            # on another thread after warm-up, 0.5 ms steady).
+            # worker thread too (TorchScript's first call on another thread after warm-up costs
+            # about what a steady one does: benchmarks/README.md).
             with worker_scope(handler):
                 warmup = warm_up(handler, context, self._warmup_runs, slot_id)
             slots.append(

@@ -1,11 +1,11 @@
 """Warm-up: a new worker runs the archive's sample input before it takes any request.
 
 The first calls of a freshly loaded model pay for lazy initialisation: TorchScript's profiling
-executor records the first call and optimises the graph on the second (measured on a 40-step
-scripted chain: 44 ms, 2.9 ms, then 0.3 ms per call), AOTInductor and ONNX Runtime set up their
-kernels and memory on first use. A worker therefore runs the sample input `runs` times before
-its slot joins the pool, so the model reports ready only once every worker is warm, and the
-first client request costs what later ones do.
+executor records the first call and optimises the graph on the second (each many times a steady
+call: benchmarks/README.md), AOTInductor and ONNX Runtime set up their kernels and memory on
+first use. A worker therefore runs the sample input `runs` times before its slot joins the
+pool, so the model reports ready only once every worker is warm, and the first client request
+costs what later ones do.
 
 The sample is the archive's `sampleInput` file, given the way both kinds of client send it: as
 the JSON body `/predictions` (and `scriptserve predict`) would receive, and, when the archive

@@ -1,7 +1,7 @@
 """The code's own text says what and why; what was measured lives in benchmarks/README.md, beside
 the results file and the machine that produced it. A docstring or comment that quotes a timing
-("12.4 us"), a speed ratio ("1.14x") or a share of time ("46 % of the event loop") goes stale
-as soon as the code or the machine changes, and no test can say when."""
+("12.4 us", "about 1.1 s"), a speed ratio ("1.14x") or a share of time ("46 % of the event
+loop") goes stale as soon as the code or the machine changes, and no test can say when."""
 
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ MEASURED = re.compile(
     r"\b\d+(?:\.\d+)?\s?(?:us|µs)\b"  # a timing in microseconds
     r"|\b\d+\.\d+x\b"  # a speed ratio
     r"|\b\d+(?:\.\d+)?\s?% of (?:the|its|an?)\b"  # a share of something's time
+    r"|(?:\babout|~)\s?\d+(?:\.\d+)?\s?(?:ms|s)\b"  # an approximate timing: "about 1.1 s"
+    r"|\bmeasured\b[^.()]*?\b\d+(?:\.\d+)?\s?(?:ms|s)\b"  # a timing made once: "(measured: 52 ms"
+    r"|\b\d+(?:\.\d+)?\s?(?:ms|s) for \d"  # a timing of so many things: "360 ms for 200"
 )
+"""What was measured. A setting's value or a limit ("every 100 ms", "waiting at most 60 s") is
+the code's own and stays."""
 
 
 def _texts(path: Path) -> list[tuple[int, str]]:
