@@ -268,6 +268,9 @@ class ModelMemory:
         self._versions: Callable[[], Iterable[ModelVersion]] = tuple
         self._readings: dict[int, Reading] = {}
         """The process workers and their fork servers, as last read (`_read_workers`)."""
+        self._fork_servers: set[int] = set()
+        """The fork servers read so far. One outlives its last worker, and then holds alone the
+        pages its workers shared with it: it is read again while it lives."""
         self._process_bytes = 0
         """What the last worker process loaded held beyond its model files."""
         self._lock = asyncio.Lock()
@@ -288,7 +291,7 @@ class ModelMemory:
     def _fork_servers_bytes(self) -> int:
         """The live fork servers' proportional sizes, as last read."""
         readings = self._readings
-        forks = {r.parent for r in readings.values()} & readings.keys()
+        forks = self._fork_servers & readings.keys()
         return sum(readings[pid].proportional for pid in forks if resident_bytes(pid))
 
     def used_bytes(self) -> int:
@@ -328,11 +331,23 @@ class ModelMemory:
         workers = [pid for _, found in pids for pid in found]
         if not workers and not self._readings:
             return
-        self._readings = await asyncio.to_thread(read_processes, workers)
+        known = [pid for pid in self._fork_servers if resident_bytes(pid)]
+        readings = await asyncio.to_thread(read_processes, workers, known)
+        parents = {reading.parent for reading in readings.values()}
+        self._fork_servers = (parents | set(known)) & readings.keys()
+        self._readings = readings
         for mv, found in pids:
-            if mv.settings.worker_mode == "process" and found:
-                readings = [self._readings[pid] for pid in found if pid in self._readings]
-                mv.residency.resident_bytes = sum(r.proportional for r in readings)
+            if mv.settings.worker_mode == "process" and (found or mv.pool.size == 0):
+                sizes = [readings[pid].proportional for pid in found if pid in readings]
+                mv.residency.resident_bytes = sum(sizes)
+
+    async def workers_changed(self, mv: ModelVersion) -> None:
+        """`mv`'s workers were started or stopped outside a load or an unload (scaled, or
+        unregistered): for process workers, every process is read again, since a fork or an
+        exit changes each one's share of the fork server's pages."""
+        if mv.settings.worker_mode == "process":
+            async with self._lock:
+                await self._read_workers()
 
     # -- loads ---------------------------------------------------------------------------------
     def wanted(self, mv: ModelVersion) -> None:

@@ -49,11 +49,13 @@ def read_process(pid: int) -> Reading | None:
     return Reading(resident, proportional, parent)
 
 
-def read_processes(pids: Iterable[int]) -> dict[int, Reading]:
+def read_processes(pids: Iterable[int], fork_servers: Iterable[int] = ()) -> dict[int, Reading]:
     """Worker processes' sizes and those of the fork servers they were forked from (their
-    parents other than this process), by pid; run in a thread."""
+    parents other than this process) or that `fork_servers` names (one outlives its workers),
+    by pid; run in a thread."""
     found = {pid: reading for pid in pids if (reading := read_process(pid)) is not None}
-    for parent in {reading.parent for reading in found.values()} - {os.getpid(), *found}:
+    parents = {reading.parent for reading in found.values()} | set(fork_servers)
+    for parent in parents - {os.getpid(), *found}:
         reading = read_process(parent)
         if reading is not None:
             found[parent] = reading

@@ -292,6 +292,7 @@ class ModelRegistry:
                 else:
                     mv.residency.parked = False  # the operator's size: 0 stays 0
                     await asyncio.to_thread(mv.pool.scale, workers)
+                    await self.memory.workers_changed(mv)
             except HandlerError as exc:
                 raise ServingError(
                     f"model {mv.name!r} version {mv.version} could not start a worker: "
@@ -324,6 +325,7 @@ class ModelRegistry:
             )
         )
         await asyncio.to_thread(stop_version, mv, drain_s)
+        await self.memory.workers_changed(mv)
         return mv
 
     def _remove(self, name: str, version: str | None, force: bool) -> ModelVersion:

@@ -522,6 +522,36 @@ def test_process_workers_pages_shared_with_their_fork_server_are_counted_once(
     assert counted_apart > 1.3 * held, (counted_apart, held)  # what sharing saves here
 
 
+def test_a_fork_server_that_outlives_its_workers_is_still_counted(store: Path) -> None:
+    """Process workers of two models, then the models unregistered: their fork server lives on
+    and now holds alone the pages its workers shared with it. The budget's accounting and its
+    resident figure still come within 15 % of what the server's process tree holds, where the
+    fork server's last reading (its share while it had four children) or none at all would
+    leave most of it out."""
+    proc = fresh_server(store, *PROCESS, "--workers", "2", "--enable-model-api").start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            for name, ident in (("m0", 0), ("m1", 1)):
+                assert answer(infer(client, proc, name)) == ident
+                proc.wait(lambda c, n=name: memory(c, proc, n)["residence"] == "LOADED", 30)
+            for name in ("m0", "m1"):
+                gone = client.delete(f"{proc.mgmt}/models/{name}", headers=proc.mgmt_headers)
+                assert gone.status_code == 200, gone.text
+            accounted = metric(client, proc, "scriptserve_memory_accounted_bytes")
+            resident = metric(client, proc, "scriptserve_memory_resident_bytes")
+            assert proc.proc is not None
+            server = proc.proc.pid
+            tree = _tree(server)
+            sizes = {pid: _sizes(pid) for pid in tree}
+            held = sizes[server][0] + sum(pss for pid, (_, pss) in sizes.items() if pid != server)
+    finally:
+        proc.stop()
+    fork_servers = [pid for pid in tree if pid != server and sizes[pid][1] > 0]
+    assert fork_servers, tree  # the fork server outlived its workers
+    assert 0.85 * held <= accounted <= 1.15 * held, (accounted, held)
+    assert 0.85 * held <= resident <= 1.15 * held, (resident, held)
+
+
 def test_zipf_traffic_with_process_workers_loses_nothing(
     store: Path, process_sizes: tuple[int, int]
 ) -> None:
