@@ -17,7 +17,8 @@ from scriptserve.archiver.quantize_cache import load_request, quantize_for_load
 from scriptserve.handlers.base import Context
 from scriptserve.handlers.loader import handler_class, read_model_config
 from scriptserve.server.errors import InvalidInput
-from scriptserve.server.models.memory import Residency, files_size, release_heap
+from scriptserve.server.models.heap import release_heap
+from scriptserve.server.models.memory import Residency, files_size
 from scriptserve.server.models.model_settings import ModelSettings
 from scriptserve.server.models.model_version import ModelVersion
 from scriptserve.server.observability.handler_metrics import read_metrics_config

@@ -28,7 +28,8 @@ from scriptserve.server.errors import (
     ModelNotReady,
     ServingError,
 )
-from scriptserve.server.models.memory import ModelMemory, freeze_heap
+from scriptserve.server.models.heap import freeze_heap
+from scriptserve.server.models.memory import ModelMemory
 from scriptserve.server.models.model_loading import ModelLoader, stop_version
 from scriptserve.server.models.model_version import (
     FailedVersion,

@@ -480,6 +480,14 @@ def _tree(root: int) -> list[int]:
     return found
 
 
+def _held(server: int) -> tuple[dict[int, tuple[int, int]], int]:
+    """The resident and proportional sizes of `server` and every process descended from it, and
+    what they hold together, shared pages once: the server's resident size and the others'
+    proportional sizes."""
+    sizes = {pid: _sizes(pid) for pid in _tree(server)}
+    return sizes, sizes[server][0] + sum(pss for pid, (_, pss) in sizes.items() if pid != server)
+
+
 def _sizes(pid: int) -> tuple[int, int]:
     """A process's resident and proportional sizes (0, 0 when it is gone)."""
     try:
@@ -508,15 +516,13 @@ def test_process_workers_pages_shared_with_their_fork_server_are_counted_once(
             resident = metric(client, proc, "scriptserve_memory_resident_bytes")
             assert proc.proc is not None
             server = proc.proc.pid
-            tree = _tree(server)
-            sizes = {pid: _sizes(pid) for pid in tree}
-            held = sizes[server][0] + sum(pss for pid, (_, pss) in sizes.items() if pid != server)
+            sizes, held = _held(server)
             counted_apart = sum(rss for rss, _ in sizes.values())
             described = client.get(f"{proc.mgmt}/models/m0", headers=proc.mgmt_headers).json()
             workers = [w["pid"] for w in described[0]["workers"]]
     finally:
         proc.stop()
-    assert len(workers) == 2 and all(pid in tree for pid in workers)
+    assert len(workers) == 2 and all(pid in sizes for pid in workers)
     assert 0.85 * held <= accounted <= 1.15 * held, (accounted, held)
     assert 0.85 * held <= resident <= 1.15 * held, (resident, held)
     assert counted_apart > 1.3 * held, (counted_apart, held)  # what sharing saves here
@@ -541,13 +547,11 @@ def test_a_fork_server_that_outlives_its_workers_is_still_counted(store: Path) -
             resident = metric(client, proc, "scriptserve_memory_resident_bytes")
             assert proc.proc is not None
             server = proc.proc.pid
-            tree = _tree(server)
-            sizes = {pid: _sizes(pid) for pid in tree}
-            held = sizes[server][0] + sum(pss for pid, (_, pss) in sizes.items() if pid != server)
+            sizes, held = _held(server)
     finally:
         proc.stop()
-    fork_servers = [pid for pid in tree if pid != server and sizes[pid][1] > 0]
-    assert fork_servers, tree  # the fork server outlived its workers
+    fork_servers = [pid for pid, (_, pss) in sizes.items() if pid != server and pss > 0]
+    assert fork_servers, sizes  # the fork server outlived its workers
     assert 0.85 * held <= accounted <= 1.15 * held, (accounted, held)
     assert 0.85 * held <= resident <= 1.15 * held, (resident, held)
 
