@@ -446,7 +446,9 @@ def test_statistics_of_process_workers(
 ) -> None:
     """A process worker's stages come back from its process with its answers."""
     params = {"url": "spare.mar", "model_name": "proc", "worker_mode": "process"}
-    r = httpx.post(f"{server.mgmt}/models", params=params, headers=server.mgmt_headers)
+    # Registering starts the server's fork server (it imports torch) and a worker forked from
+    # it: seconds on a loaded 2-core machine, past httpx's 5 s default.
+    r = httpx.post(f"{server.mgmt}/models", params=params, headers=server.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     try:
         for rows in (1, 2):
@@ -459,4 +461,4 @@ def test_statistics_of_process_workers(
         config = http_client.get_model_config("proc")
         assert config["parameters"]["worker_mode"] == {"string_value": "process"}
     finally:
-        httpx.delete(f"{server.mgmt}/models/proc", headers=server.mgmt_headers)
+        httpx.delete(f"{server.mgmt}/models/proc", headers=server.mgmt_headers, timeout=60)
