@@ -210,6 +210,9 @@ class ModelMemory:
         self._versions: Callable[[], Iterable[ModelVersion]] = tuple
         self._readings: dict[int, Reading] = {}
         """The process workers and their fork servers, as last read (`_read_workers`)."""
+        self._workers_read: frozenset[int] = frozenset()
+        """The process workers that lived at the last reading: when the live ones differ (one
+        crashed, or its replacement started), `server_bytes` reads them all again."""
         self._fork_servers: set[int] = set()
         """The fork servers read so far. One outlives its last worker, and then holds alone the
         pages its workers shared with it: it is read again while it lives."""
@@ -254,10 +257,12 @@ class ModelMemory:
         resident size has moved since (a worker's shared pages are counted once, not once a
         worker: they are forked from one process)."""
         total = resident_bytes()
-        workers = [pid for mv in self._versions() for pid in _worker_pids(mv)]
-        unread = [pid for pid in workers if pid not in self._readings]
-        if unread:  # a replacement started since the last load: read it now
-            self._readings.update(read_processes(unread))
+        listed = self._listed()
+        live = {pid for _, found in listed for pid in found if resident_bytes(pid)}
+        if live != self._workers_read:  # a worker crashed, or its replacement started
+            known = self._live_fork_servers()
+            workers = [pid for _, found in listed for pid in found]
+            self._take(listed, read_processes(workers, known), known)
         for pid, reading in self._readings.items():
             now = resident_bytes(pid)
             if now:
@@ -269,16 +274,35 @@ class ModelMemory:
         process-worker version's resident bytes to its workers' proportional sizes: a fork or
         an exit changes how many processes share the fork server's pages, and so every
         worker's share of them."""
-        pids = [(mv, _worker_pids(mv)) for mv in self._versions()]
-        workers = [pid for _, found in pids for pid in found]
+        listed = self._listed()
+        workers = [pid for _, found in listed for pid in found]
         if not workers and not self._readings:
             return
-        known = [pid for pid in self._fork_servers if resident_bytes(pid)]
-        readings = await asyncio.to_thread(read_processes, workers, known)
+        known = self._live_fork_servers()
+        self._take(listed, await asyncio.to_thread(read_processes, workers, known), known)
+
+    def _listed(self) -> list[tuple[ModelVersion, list[int]]]:
+        return [(mv, _worker_pids(mv)) for mv in self._versions()]
+
+    def _live_fork_servers(self) -> list[int]:
+        return [pid for pid in self._fork_servers if resident_bytes(pid)]
+
+    def _take(
+        self,
+        listed: list[tuple[ModelVersion, list[int]]],
+        readings: dict[int, Reading],
+        known: list[int],
+    ) -> None:
+        """Keep `readings` of the workers `listed` (each version's) and of the fork servers
+        `known`, and set each process-worker version's resident bytes to its live workers'
+        proportional sizes."""
         parents = {reading.parent for reading in readings.values()}
         self._fork_servers = (parents | set(known)) & readings.keys()
         self._readings = readings
-        for mv, found in pids:
+        self._workers_read = frozenset(
+            pid for _, found in listed for pid in found if pid in readings
+        )
+        for mv, found in listed:
             if mv.settings.worker_mode == "process" and (found or mv.pool.size == 0):
                 sizes = [readings[pid].proportional for pid in found if pid in readings]
                 mv.residency.resident_bytes = sum(sizes)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -554,6 +556,43 @@ def test_a_fork_server_that_outlives_its_workers_is_still_counted(store: Path) -
     assert fork_servers, sizes  # the fork server outlived its workers
     assert 0.85 * held <= accounted <= 1.15 * held, (accounted, held)
     assert 0.85 * held <= resident <= 1.15 * held, (resident, held)
+
+
+def test_a_crashed_process_worker_leaves_its_models_accounting_at_once(store: Path) -> None:
+    """Two process workers of m0, one killed and its replacement held back by its back-off: at
+    the next scrape m0's resident bytes count the worker that lives, not the last reading of
+    both (which the accounting kept until the next load or unload); once the replacement is
+    up, two workers again."""
+    backoff = {"SCRIPTSERVE_WORKER_RESTART_BACKOFF_S": "10"}
+    proc = fresh_server(store, *PROCESS, "--workers", "2", env=backoff).start()
+
+    def resident(client: httpx.Client) -> int:
+        metric(client, proc, "scriptserve_memory_accounted_bytes")  # a scrape reads them
+        return int(memory(client, proc, "m0")["residentBytes"])  # type: ignore[call-overload]
+
+    def workers(client: httpx.Client) -> list[dict[str, Any]]:
+        described = client.get(f"{proc.mgmt}/models/m0", headers=proc.mgmt_headers)
+        found: list[dict[str, Any]] = described.json()[0]["workers"]
+        return found
+
+    try:
+        with httpx.Client(timeout=120) as client:
+            assert answer(infer(client, proc, "m0")) == 0
+            proc.wait(lambda c: memory(c, proc, "m0")["residence"] == "LOADED", 30)
+            both = resident(client)
+            pids = [w["pid"] for w in workers(client)]
+            os.kill(pids[0], signal.SIGKILL)
+            proc.wait(lambda c: resident(c) < 0.9 * both, 8)
+            one = resident(client)
+            proc.wait(
+                lambda c: {w["pid"] for w in workers(c) if w["status"] == "READY"} - set(pids),
+                60,
+            )
+            again = resident(client)
+    finally:
+        proc.stop()
+    assert 0.3 * both < one < 0.9 * both, (one, both)
+    assert again > one and 0.75 * both < again < 1.25 * both, (again, one, both)
 
 
 def test_zipf_traffic_with_process_workers_loses_nothing(
