@@ -124,6 +124,7 @@ bench: install
 	$(MAKE) -C benchmarks/grpc_client
 	$(PYTHON) -m benchmarks.request_path --rounds 5 --seconds 6
 	$(PYTHON) -m benchmarks.switches
+	$(PYTHON) -m benchmarks.lock_in
 	$(PYTHON) -m benchmarks.many_models
 	$(PYTHON) -m benchmarks.pipelines
 	$(PYTHON) -m benchmarks.http_load --scenarios B --repeats 2

@@ -22,6 +22,8 @@ the access log's writer): where a switch's cost lands. Then what the run says of
 target (`TARGETS`, issue #34's): a median ratio counts only as far as the control is from 1
 (`verdict`), so a run on a noisy machine says "not decided" rather than a figure that only
 looks met or missed. Writes them all to benchmarks/results/switches-<date>.json.
+`benchmarks/lock_in.py` measures the same switches in one server, switched on and off under one
+load: neither process-to-process speed nor the machine's slow drift moves its ratios.
 """
 
 from __future__ import annotations
