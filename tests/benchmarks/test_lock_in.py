@@ -173,3 +173,12 @@ def test_the_recorded_run_says_what_the_issue_notes_say_of_it() -> None:
         "tracing-0.01": "not decided",
         "tracing-0": "not decided",
     }
+
+
+def test_the_longer_tracing_run_decides_ratio_0() -> None:
+    # 300 pairs a switch (control 0.993, standard errors 0.007): ratio 0's 0.968 misses 0.99;
+    # 0.01's 0.966 is within twice its standard error of 0.97.
+    assert _verdicts("lock_in-2026-12-02T155426.json") == {
+        "tracing-0.01": "not decided",
+        "tracing-0": "not met",
+    }
