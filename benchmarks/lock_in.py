@@ -78,17 +78,15 @@ ON, OFF = signal.SIGUSR1, signal.SIGUSR2
 
 def set_switch(observers: Any, switch: str, on: bool) -> None:
     """Set `switch` of a server's HTTP `Observers` on or off: the access log's or tracing's
-    `enabled`, and what the observers decide from them (as `Observers.__init__` does); the
-    control and a busy-wait's calibration change nothing there."""
+    `enabled`, and what the observers decide from them (`Observers.settle`); the control and a
+    busy-wait's calibration change nothing there."""
     if switch == "control" or BUSY.fullmatch(switch):
         return
     if switch.startswith("access-log"):
         observers.access.enabled = on
     else:
         observers.tracing.enabled = on
-    access, tracing = observers.access, observers.tracing
-    observers.enabled = access.enabled or tracing.enabled
-    observers._ratio_only = tracing.enabled and tracing.samples_roots and not access.enabled
+    observers.settle()
 
 
 def install(switch: str) -> list[Any]:

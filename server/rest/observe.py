@@ -53,10 +53,19 @@ class Observers:
     def __init__(self, access: AccessLog, tracing: Tracing) -> None:
         self.access = access
         self.tracing = tracing
-        self.enabled = access.enabled or tracing.enabled
-        self._ratio_only = tracing.samples_roots and not access.enabled
+        self.enabled = False
+        self._ratio_only = False
         """Only tracing is on, and it samples roots at a ratio: `observe` leaves roots out
         without an observation."""
+        self.settle()
+
+    def settle(self) -> None:
+        """Derive what `observe` decides from the access log's and tracing's `enabled`: at the
+        start, and again whenever either is set while serving (benchmarks/lock_in.py sets them
+        on and off in one server)."""
+        access, tracing = self.access, self.tracing
+        self.enabled = access.enabled or tracing.enabled
+        self._ratio_only = tracing.enabled and tracing.samples_roots and not access.enabled
 
     def observe(
         self,
