@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from json.encoder import encode_basestring_ascii as _json_string
 from typing import Literal, TextIO
 
@@ -132,7 +132,9 @@ class AccessRecord:
             self.request_id = new_request_id()
 
 
-_current: ContextVar[AccessRecord | None] = ContextVar("scriptserve_access", default=None)
+CURRENT: ContextVar[AccessRecord | None] = ContextVar("scriptserve_access", default=None)
+"""The record the data plane fills in for the request running in this context: set by
+`opened`, or in the context an HTTP request runs in (server/rest/observe.py)."""
 
 
 @contextlib.contextmanager
@@ -142,36 +144,43 @@ def opened(record: AccessRecord | None) -> Iterator[AccessRecord | None]:
     if record is None:
         yield None
         return
-    token = _current.set(record)
+    token = CURRENT.set(record)
     try:
         yield record
     finally:
-        _current.reset(token)
-
-
-def enter(record: AccessRecord | None) -> Token[AccessRecord | None] | None:
-    """Make `record` the one the data plane fills in, until `leave` is given what this returns
-    (a callback's work: what it starts, a task or a callback, keeps it)."""
-    return None if record is None else _current.set(record)
-
-
-def leave(token: Token[AccessRecord | None] | None) -> None:
-    if token is not None:
-        _current.reset(token)
+        CURRENT.reset(token)
 
 
 def current() -> AccessRecord | None:
     """The record of the request running in this context, if the access log is on."""
-    return _current.get()
+    return CURRENT.get()
 
 
 def current_request_id() -> str | None:
     """The id of the request running in this context, once it has one."""
-    record = _current.get()
+    record = CURRENT.get()
     return None if record is None else record.request_id
 
 
+_KEPT = 4096
+"""The texts each of the writer's caches keeps at most (it starts over when full)."""
+_CLIENTS: dict[str | Peer | None, str] = {}
+"""The text of each client seen lately (a connection's peer is on every one of its lines)."""
+
+
 def _client(client: str | Peer | None) -> str:
+    try:
+        return _CLIENTS[client]
+    except KeyError:
+        if len(_CLIENTS) >= _KEPT:
+            _CLIENTS.clear()
+        text = _CLIENTS[client] = _client_text(client)
+        return text
+    except TypeError:  # a peer given as a list
+        return _client_text(client)
+
+
+def _client_text(client: str | Peer | None) -> str:
     if isinstance(client, str):
         return client
     return "-" if client is None else f"{client[0]}:{client[1]}"
@@ -198,14 +207,13 @@ def _escaped(lines: list[str]) -> list[str]:
 
 _ESCAPED: dict[str, str] = {}
 """JSON strings of the texts that repeat from line to line (clients, paths, models), kept up to
-`_MAX_ESCAPED`: most lines escape nothing new."""
-_MAX_ESCAPED = 4096
+`_KEPT`: most lines escape nothing new."""
 
 
 def _string(text: str) -> str:
     found = _ESCAPED.get(text)
     if found is None:
-        if len(_ESCAPED) >= _MAX_ESCAPED:
+        if len(_ESCAPED) >= _KEPT:
             _ESCAPED.clear()
         found = _ESCAPED[text] = _json_string(text)
     return found

@@ -39,7 +39,7 @@ import os
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal
 
 from scriptserve.server.observability.span_export import Child, SpanExport
@@ -156,7 +156,9 @@ class RequestTrace:
             self.answered = time.monotonic()
 
 
-_current: ContextVar[RequestTrace | None] = ContextVar("scriptserve_trace", default=None)
+CURRENT: ContextVar[RequestTrace | None] = ContextVar("scriptserve_trace", default=None)
+"""The trace the data plane fills in for the request running in this context: set by
+`opened`, or in the context an HTTP request runs in (server/rest/observe.py)."""
 
 
 @contextlib.contextmanager
@@ -165,27 +167,16 @@ def opened(trace: RequestTrace | None) -> Iterator[RequestTrace | None]:
     if trace is None:
         yield None
         return
-    token = _current.set(trace)
+    token = CURRENT.set(trace)
     try:
         yield trace
     finally:
-        _current.reset(token)
-
-
-def enter(trace: RequestTrace | None) -> Token[RequestTrace | None] | None:
-    """Make `trace` the one the data plane fills in, until `leave` is given what this returns
-    (a callback's work: what it starts, a task or a callback, keeps it)."""
-    return None if trace is None else _current.set(trace)
-
-
-def leave(token: Token[RequestTrace | None] | None) -> None:
-    if token is not None:
-        _current.reset(token)
+        CURRENT.reset(token)
 
 
 def current() -> RequestTrace | None:
     """The trace of the request running in this context, if tracing is on."""
-    return _current.get()
+    return CURRENT.get()
 
 
 class Tracing:

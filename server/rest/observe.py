@@ -8,13 +8,16 @@ the model, the request id and the queued jobs: server/observability/access_log.p
 tracing.py), adds `X-Request-Id` and `traceparent` to the answer's head, counts the bytes of
 the answer and, once the answer is sent, writes the access line and ends the span. It is made
 only while the access log or tracing is on (with both off a request pays one attribute test),
-and reads no more of the request than what is on: a request the sampling ratio leaves out,
-with the access log off, costs a scan of its headers and a `traceparent` of its own.
+and reads no more of the request than what is on: of its headers, only the few it reads
+(`OBSERVED`), which the HTTP protocol picks out in the one loop that reads the head and the
+ASGI layer with `observed_headers`; a request the sampling ratio leaves out, with the access
+log off, costs a `traceparent` of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,8 +43,8 @@ _REQUEST_ID = b"x-request-id"
 _TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
 _TRACEPARENT = TRACEPARENT.encode()
 _FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto")
-_OBSERVED = frozenset((_REQUEST_ID, *_TRACE_HEADERS, *_FORWARDED))
-"""The header names an observation reads: one set lookup for each of the others."""
+OBSERVED = frozenset((_REQUEST_ID, *_TRACE_HEADERS, *_FORWARDED))
+"""The header names an observation reads (lower case, as the HTTP protocol gives them)."""
 Headers = Sequence[tuple[bytes, bytes]]
 CLIENT_GONE = 499
 """The status an access line records for a request whose client went away before its answer."""
@@ -71,27 +74,33 @@ class Observers:
         self,
         method: str,
         path: str,
-        headers: Headers,
+        observed: Headers,
         peer: Peer | None,
         scope: Callable[[], Scope],
     ) -> tuple[Observation | None, bytes]:
-        """What the HTTP protocol keeps of a request that arrived now from `peer`: its
+        """What the HTTP protocol keeps of a request that arrived now from `peer`, given the
+        request's `observed` headers (those named in `OBSERVED`, usually none): its
         observation, or, for a request only tracing would see (the access log off) that
         carries no trace context of the client's and that the sampling ratio leaves out, no
         observation and the header line of the `traceparent` of its own that its answer
         returns (what a request costs at ratio 0). `scope` makes the request's ASGI scope (or
         what the protocol makes of a request head in that form), called only when something
-        reads more of it than its method, path, headers and peer."""
+        reads more of it than its method, path, observed headers and peer."""
         if self._ratio_only:
-            for name, _ in headers:
+            for name, _ in observed:
                 if name in _TRACE_HEADERS:
                     break
             else:
                 left_out = self.tracing.left_out_root()
                 if left_out is not None:
                     return None, b"traceparent: %b\r\n" % left_out
-                return Observation(self, method, path, headers, peer, scope, root_kept=True), b""
-        return Observation(self, method, path, headers, peer, scope), b""
+                return Observation(self, method, path, observed, peer, scope, root_kept=True), b""
+        return Observation(self, method, path, observed, peer, scope), b""
+
+
+def observed_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
+    """The headers of `headers` an observation reads (`OBSERVED`)."""
+    return [(name, value) for name, value in headers if name in OBSERVED]
 
 
 class Observation(AccessRecord):
@@ -110,23 +119,23 @@ class Observation(AccessRecord):
         observers: Observers,
         method: str,
         path: str,
-        headers: Headers,
+        observed: Headers,
         peer: Peer | None,
         scope: Callable[[], Scope],
         root_kept: bool = False,
     ) -> None:
-        """`root_kept`: the sampling ratio was applied to this request already, and kept it."""
+        """`observed`: the request's headers named in `OBSERVED`; `root_kept`: the sampling
+        ratio was applied to this request already, and kept it."""
         given: bytes | None = None
         forwarded = False
         trace_headers: dict[str, str] = {}
-        for name, value in headers:
-            if name in _OBSERVED:
-                if name == _REQUEST_ID:
-                    given = value
-                elif name in _FORWARDED:
-                    forwarded = True
-                else:
-                    trace_headers[name.decode("latin-1")] = value.decode("latin-1")
+        for name, value in observed:
+            if name == _REQUEST_ID:
+                given = value
+            elif name in _FORWARDED:
+                forwarded = True
+            elif name in _TRACE_HEADERS:
+                trace_headers[name.decode("latin-1")] = value.decode("latin-1")
         made: Scope | None = None
         self.logged = logged = observers.access.enabled
         if logged and forwarded:
@@ -148,17 +157,17 @@ class Observation(AccessRecord):
                 self.trace = tracer.start(method, trace_headers, _attributes(made, method))
         self.noted = logged or self.trace is not None
 
-    def run(self, work: Callable[[], None]) -> None:
-        """Run `work` with this request the one the data plane notes in: set in the caller's
-        context and reset after, so that what `work` starts (a task, a callback) keeps it and
-        a callback of the loop's pays no context of its own."""
-        record = access_log.enter(self) if self.logged else None
-        trace = tracing.enter(self.trace)
-        try:
-            work()
-        finally:
-            access_log.leave(record)
-            tracing.leave(trace)
+    def context(self) -> contextvars.Context:
+        """A copy of the caller's context with this request the one the data plane notes in:
+        what runs in it (`loop.call_soon(..., context=)`), and what that starts, a task or a
+        callback, notes there. One copy, which the loop's callback would have made anyway, and
+        a variable set in it for the access log and one for tracing, as each is on."""
+        context = contextvars.copy_context()
+        if self.logged:
+            context.run(access_log.CURRENT.set, self)
+        if self.trace is not None:
+            context.run(tracing.CURRENT.set, self.trace)
+        return context
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[None]:
@@ -166,20 +175,35 @@ class Observation(AccessRecord):
         with access_log.opened(self if self.logged else None), tracing.opened(self.trace):
             yield
 
-    def answered(self, status: int) -> list[tuple[bytes, bytes]]:
-        """The answer starts with `status`: the header lines to add to its head."""
+    def answered(self, status: int) -> bytes:
+        """The answer starts with `status`: the header lines to add to its head, as the HTTP
+        protocol writes them (`X-Request-Id` while the access log is on, `traceparent` while
+        tracing is)."""
+        request_id, traceparent = self._answer_headers(status)
+        if request_id is None:
+            return b"" if traceparent is None else b"traceparent: %b\r\n" % traceparent
+        if traceparent is None:
+            return b"x-request-id: %b\r\n" % request_id
+        return b"x-request-id: %b\r\ntraceparent: %b\r\n" % (request_id, traceparent)
+
+    def answered_pairs(self, status: int) -> list[tuple[bytes, bytes]]:
+        """`answered`'s headers as an ASGI message's (name, value) pairs."""
+        request_id, traceparent = self._answer_headers(status)
+        pairs = [] if request_id is None else [(_REQUEST_ID, request_id)]
+        if traceparent is not None:
+            pairs.append((_TRACEPARENT, traceparent))
+        return pairs
+
+    def _answer_headers(self, status: int) -> tuple[bytes | None, bytes | None]:
         self.status = status
-        lines: list[tuple[bytes, bytes]] = []
+        request_id = None
         if self.logged:
             if self.request_id is None:
                 self.request_id = new_request_id()
-            lines.append((_REQUEST_ID, self.request_id.encode()))
+            request_id = self.request_id.encode()
         if self.trace is not None:
-            traceparent = self._observers.tracing.traceparent(self.trace)
-            lines.append((_TRACEPARENT, traceparent.encode()))
-        elif self._traceparent is not None:
-            lines.append((_TRACEPARENT, self._traceparent))
-        return lines
+            return request_id, self._observers.tracing.traceparent(self.trace).encode()
+        return request_id, self._traceparent
 
     def sent(self, size: int) -> None:
         """`size` bytes of the answer's body went out."""
@@ -218,14 +242,14 @@ class Observed:
             self.observers,
             scope["method"],
             scope["path"],
-            scope["headers"],
+            observed_headers(scope["headers"]),
             scope.get("client"),
             lambda: scope,
         )
 
         async def observed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                lines = observation.answered(message["status"])
+                lines = observation.answered_pairs(message["status"])
                 message = {**message, "headers": [*message.get("headers", ()), *lines]}
             elif message["type"] == "http.response.body":
                 observation.sent(len(message.get("body", b"")))

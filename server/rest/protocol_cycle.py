@@ -21,7 +21,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from scriptserve.server.codec.header_values import TIMEOUT_HEADER, request_timeout
 from scriptserve.server.errors import PayloadTooLarge, ServingError
 from scriptserve.server.rest.errors import body_too_large, error_body, method_not_allowed
-from scriptserve.server.rest.observe import CLIENT_GONE, Observation, forwarded_scope
+from scriptserve.server.rest.observe import CLIENT_GONE, OBSERVED, Observation, forwarded_scope
 
 if TYPE_CHECKING:
     from scriptserve.server.rest.protocol_routes import (
@@ -90,6 +90,7 @@ class ProtocolCycle(RequestResponseCycle):
         self.timeout_s: float | None = None
         """The deadline the client asks for (`X-Request-Timeout`), read when its turn begins."""
         self.header_length: str | None = None
+        observed: list[tuple[bytes, bytes]] = []
         for name, value in protocol.headers:
             if name == b"content-type":
                 self.content_type = value.decode("latin-1")
@@ -101,16 +102,24 @@ class ProtocolCycle(RequestResponseCycle):
                 self.timeout = value.decode("latin-1")
             elif name == b"inference-header-content-length":
                 self.header_length = value.decode("latin-1")
+            elif name in OBSERVED:
+                observed.append((name, value))
         self.observation: Observation | None = None
         self.left_out = b""
         """The `traceparent` line of a request only tracing sees and its sampling leaves out:
         all that is kept of it (no observation)."""
-        observers = routes.observers
-        if observers.enabled:
-            self._protocol = protocol
-            self.observation, self.left_out = observers.observe(
-                method, path, protocol.headers, protocol.client, self._scope
-            )
+        if routes.observers.enabled:
+            self._observe(protocol, observed)
+
+    def _observe(
+        self, protocol: InferenceHttpProtocol, observed: list[tuple[bytes, bytes]]
+    ) -> None:
+        """Open the request's observation (the access log or tracing is on), from its
+        `observed` headers (those in `OBSERVED`)."""
+        self._protocol = protocol
+        self.observation, self.left_out = self.routes.observers.observe(
+            self.method, self.path, observed, protocol.client, self._scope
+        )
 
     def _scope(self) -> dict[str, Any]:
         """What the access log and tracing read of the request head, as an ASGI scope has it,
@@ -196,7 +205,7 @@ class ProtocolCycle(RequestResponseCycle):
         if observation is None or not observation.noted:
             self._loop.call_soon(self._run)
         else:
-            self._loop.call_soon(observation.run, self._run)
+            self._loop.call_soon(self._run, context=observation.context())
 
     def _run(self) -> None:
         """Hand the whole request to the data plane; its answer comes back to this cycle. Each
@@ -238,8 +247,7 @@ class ProtocolCycle(RequestResponseCycle):
             head += [name, b": ", value, b"\r\n"]
         head.append(lines)
         if self.observation is not None:
-            for name, value in self.observation.answered(status):
-                head += [name, b": ", value, b"\r\n"]
+            head.append(self.observation.answered(status))
         elif self.left_out:
             head.append(self.left_out)
         for key, text in (headers or {}).items():

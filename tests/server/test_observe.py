@@ -16,9 +16,11 @@ import pytest
 
 from scriptserve.server.observability.access_log import AccessLog
 from scriptserve.server.observability.tracing import Tracing
-from scriptserve.server.rest.observe import Observation, Observers
+from scriptserve.server.rest.observe import Observation, Observers, observed_headers
 
 HEADERS = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
+OBSERVED: list[tuple[bytes, bytes]] = []
+"""What the HTTP protocol gives `observe` of HEADERS: none of them is one an observation reads."""
 PARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 LINE = re.compile(rb"traceparent: 00-([0-9a-f]{32})-([0-9a-f]{16})-00\r\n")
 PEER = ("127.0.0.1", 50000)
@@ -42,7 +44,7 @@ def never() -> Iterator[Tracing]:
 
 def test_a_left_out_request_keeps_only_a_traceparent_of_its_own(never: Tracing) -> None:
     observers = Observers(AccessLog(), never)
-    kept = [observers.observe("POST", "/predictions/m", HEADERS, PEER, scope) for _ in range(50)]
+    kept = [observers.observe("POST", "/predictions/m", OBSERVED, PEER, scope) for _ in range(50)]
     assert all(observation is None for observation, _ in kept)
     found = [LINE.fullmatch(line) for _, line in kept]
     assert all(found), kept[:3]  # unsampled (flags 00), one well-formed line each
@@ -59,7 +61,7 @@ def test_the_ratio_is_drawn_once_per_request() -> None:
         observers = Observers(AccessLog(), tracing)
         sampled = 0
         for _ in range(400):
-            observation, line = observers.observe("POST", "/p", HEADERS, PEER, scope)
+            observation, line = observers.observe("POST", "/p", OBSERVED, PEER, scope)
             if observation is not None:
                 assert line == b"" and observation.trace is not None
                 assert observation.trace.recording
@@ -73,13 +75,13 @@ def test_the_ratio_is_drawn_once_per_request() -> None:
 
 
 def test_a_request_someone_records_is_observed(never: Tracing) -> None:
-    def observed(observers: Observers, headers: list[tuple[bytes, bytes]] = HEADERS) -> bool:
+    def observed(observers: Observers, headers: list[tuple[bytes, bytes]] = OBSERVED) -> bool:
         observation, line = observers.observe("POST", "/p", headers, PEER, scope)
         return isinstance(observation, Observation) and line == b""
 
     # the client's own trace context: followed (its parent may be sampled)
     for name in (b"traceparent", b"tracestate"):
-        assert observed(Observers(AccessLog(), never), [*HEADERS, (name, PARENT)])
+        assert observed(Observers(AccessLog(), never), [(name, PARENT)])
     # the access log writes a line for every request, sampled or not
     access = AccessLog("stderr")
     try:
@@ -92,3 +94,12 @@ def test_a_request_someone_records_is_observed(never: Tracing) -> None:
         assert observed(Observers(AccessLog(), sdk))
     finally:
         sdk.close(timeout_s=0.1)
+
+
+def test_an_observation_reads_only_the_headers_it_names() -> None:
+    """The ASGI layer's pick (the HTTP protocol picks the same names in its own loop over the
+    head): the request id, the client's trace context and the forwarding headers."""
+    forwarded = [(b"x-forwarded-for", b"10.0.0.7"), (b"x-forwarded-proto", b"https")]
+    given = [(b"x-request-id", b"abc"), (b"traceparent", PARENT), *forwarded]
+    assert observed_headers([*HEADERS, *given, (b"user-agent", b"wrk")]) == given
+    assert observed_headers(HEADERS) == OBSERVED
