@@ -90,7 +90,8 @@ class ProtocolCycle(RequestResponseCycle):
         self.timeout_s: float | None = None
         """The deadline the client asks for (`X-Request-Timeout`), read when its turn begins."""
         self.header_length: str | None = None
-        observed: list[tuple[bytes, bytes]] = []
+        observing = routes.observers.enabled
+        observed: list[tuple[bytes, bytes]] = []  # what an observation reads, while one is made
         for name, value in protocol.headers:
             if name == b"content-type":
                 self.content_type = value.decode("latin-1")
@@ -102,13 +103,13 @@ class ProtocolCycle(RequestResponseCycle):
                 self.timeout = value.decode("latin-1")
             elif name == b"inference-header-content-length":
                 self.header_length = value.decode("latin-1")
-            elif name in OBSERVED:
+            elif observing and name in OBSERVED:
                 observed.append((name, value))
         self.observation: Observation | None = None
         self.left_out = b""
         """The `traceparent` line of a request only tracing sees and its sampling leaves out:
         all that is kept of it (no observation)."""
-        if routes.observers.enabled:
+        if observing:
             self._observe(protocol, observed)
 
     def _observe(
