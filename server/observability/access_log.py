@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from json.encoder import encode_basestring_ascii as _json_string
 from typing import Literal, TextIO
@@ -66,22 +66,22 @@ Peer = tuple[str, int]
 class AccessRecord:
     """One request as the access log writes it; the transport and the data plane fill it in.
     It keeps the values as they come (the client's address as the transport has it, two
-    readings of one clock): the log's writer makes the line of them, off the event loop."""
+    readings of one clock): the log's writer makes the line of them, off the event loop.
 
-    __slots__ = (
-        "bytes_sent",
-        "client",
-        "finished",
-        "method",
-        "model",
-        "path",
-        "pinned",
-        "protocol",
-        "request_id",
-        "started",
-        "status",
-        "version",
-    )
+    What a request starts with and most keep (no model yet, nothing sent) is the class's: a
+    record stores only what is its own, the fewest stores for the event loop to make on each
+    request."""
+
+    model = "-"
+    version = "-"
+    status: int | str = 0
+    """The HTTP status, or the gRPC code's name."""
+    bytes_sent = 0
+    finished = 0.0
+    """time.perf_counter() when it finished: its latency, and the time its line shows."""
+    pinned = False
+    """Its model is set for good (a pipeline's): the steps' models do not replace it."""
+    request_id: str | None = None
 
     def __init__(
         self,
@@ -96,17 +96,9 @@ class AccessRecord:
         self.client = client
         """As text (`host:port`), or the transport's address and port, or None (unknown)."""
         self.protocol = protocol
-        self.request_id = request_id
-        self.model = "-"
-        self.version = "-"
-        self.status: int | str = 0
-        """The HTTP status, or the gRPC code's name."""
-        self.bytes_sent = 0
+        if request_id is not None:
+            self.request_id = request_id
         self.started = time.perf_counter()
-        self.finished = 0.0
-        """time.perf_counter() when it finished: its latency, and the time its line shows."""
-        self.pinned = False
-        """Its model is set for good (a pipeline's): the steps' models do not replace it."""
 
     def note_model(self, name: str, version: str | None, pin: bool = False) -> None:
         """The data plane resolved the request's model (and version, once known); `pin` sets it
@@ -186,23 +178,57 @@ def _client_text(client: str | Peer | None) -> str:
     return "-" if client is None else f"{client[0]}:{client[1]}"
 
 
-def _plain(record: AccessRecord, when: str) -> str:
-    """The plain line of `record`, its control characters not yet escaped (`_escaped`)."""
-    return (
-        f'{when} {_client(record.client)} "{record.method} {record.path}" {record.protocol} '
-        f"model={record.model} version={record.version} status={record.status} "
-        f"bytes={record.bytes_sent} latency_ms={(record.finished - record.started) * 1e3:.2f} "
-        f"request_id={record.request_id}"
+TimeOf = Callable[[int], str]
+"""A millisecond since the epoch as the lines show it."""
+_PREFIXES: dict[tuple[str | Peer | None, str, str, str, str, str], str] = {}
+"""The start of the plain lines of each client, request, model and version seen lately, up to
+`status=`, its control characters escaped: most lines repeat one, so a line is its time, the
+cached start and its own few numbers and id, none of them scanned for what to escape."""
+
+
+def _plain_lines(records: Iterable[AccessRecord], offset: float, time_of: TimeOf) -> list[str]:
+    """The plain lines of `records`, each one line (`escape_controls`): `offset` turns their
+    clock's readings into the wall clock's, `time_of` a millisecond of that into its text."""
+    prefixes = _PREFIXES
+    lines = []
+    shown, when = -1, ""
+    for record in records:
+        finished = record.finished
+        millisecond = int((offset + finished) * 1000)
+        if millisecond != shown:
+            shown, when = millisecond, time_of(millisecond)
+        key = (
+            record.client,
+            record.method,
+            record.path,
+            record.protocol,
+            record.model,
+            record.version,
+        )
+        try:
+            prefix = prefixes.get(key)
+        except TypeError:  # a peer given as a list
+            prefix = _plain_prefix(key)
+        if prefix is None:
+            if len(prefixes) >= _KEPT:
+                prefixes.clear()
+            prefix = prefixes[key] = _plain_prefix(key)
+        request_id = record.request_id or "-"
+        if not request_id.isprintable():  # the protocol's own id (OIP `id`) is the client's
+            request_id = escape_controls(request_id)
+        latency_ms = (finished - record.started) * 1e3
+        lines.append(
+            "%s %s%s bytes=%d latency_ms=%.2f request_id=%s"  # noqa: UP031 (% is the quicker)
+            % (when, prefix, record.status, record.bytes_sent, latency_ms, request_id)
+        )
+    return lines
+
+
+def _plain_prefix(key: tuple[str | Peer | None, str, str, str, str, str]) -> str:
+    client, method, path, protocol, model, version = key
+    return escape_controls(
+        f'{_client(client)} "{method} {path}" {protocol} model={model} version={version} status='
     )
-
-
-def _escaped(lines: list[str]) -> list[str]:
-    """Plain `lines` with every control character escaped (`escape_controls`), so each stays
-    one line. A flush's lines are checked together, one scan in C of them joined: almost every
-    line is printable, and a check per line cost more than formatting it."""
-    if "".join(lines).isprintable():
-        return lines
-    return [escape_controls(line) for line in lines]
 
 
 _ESCAPED: dict[str, str] = {}
@@ -217,6 +243,11 @@ def _string(text: str) -> str:
             _ESCAPED.clear()
         found = _ESCAPED[text] = _json_string(text)
     return found
+
+
+def _json_lines(records: Iterable[AccessRecord], offset: float, time_of: TimeOf) -> list[str]:
+    """The JSON lines of `records` (JSON strings escape their own control characters)."""
+    return [_json(record, time_of(int((offset + record.finished) * 1000))) for record in records]
 
 
 def _json(record: AccessRecord, when: str) -> str:
@@ -250,17 +281,13 @@ class AccessLog:
 
     def __init__(self, destination: str = "off", fmt: AccessFormat = "plain") -> None:
         self.enabled = destination != "off"
-        self._format = _json if fmt == "json" else _plain
-        self._escape = fmt != "json"
-        """The plain lines' control characters are escaped (JSON strings escape their own)."""
+        self._lines = _json_lines if fmt == "json" else _plain_lines
         self._pending: deque[AccessRecord] = deque()
         self._write_lock = threading.Lock()
         """Keeps flushes, and so the lines, in order."""
         self._fd: int | None = None
         self._stream: TextIO | None = None
         self._owns_fd = False
-        self._millisecond = -1
-        self._when = ""
         self._second = -1
         self._second_text = ""
         self._stop = False
@@ -291,36 +318,26 @@ class AccessLog:
         if len(pending) >= FLUSH_LINES and not self._due.is_set():
             self._due.set()
 
-    def _time(self, wall: float) -> str:
-        """`wall` (seconds since the epoch) in UTC, ISO 8601 to the millisecond (made once a
-        millisecond)."""
-        millisecond = int(wall * 1000)
-        if millisecond != self._millisecond:
-            self._millisecond = millisecond
-            second = millisecond // 1000
-            if second != self._second:
-                self._second = second
-                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-            self._when = f"{self._second_text}.{millisecond % 1000:03d}Z"
-        return self._when
+    def _time(self, millisecond: int) -> str:
+        """`millisecond` (since the epoch) in UTC, ISO 8601 to the millisecond."""
+        second = millisecond // 1000
+        if second != self._second:
+            self._second = second
+            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._second_text}.{millisecond % 1000:03d}Z"
 
     def flush(self) -> None:
         """Write the lines queued so far, whole, in the order they were queued."""
         with self._write_lock:
             pending = self._pending
-            count = len(pending)
-            if not count:
+            popleft = pending.popleft
+            records = [popleft() for _ in range(len(pending))]
+            if not records:
                 return
-            fmt, when = self._format, self._time
             # The records' clock read as the wall clock, as it reads now: a line waits at most
             # a flush's interval, so the wall clock's own adjustments show within that.
-            wall = time.time() - time.perf_counter()
-            lines = []
-            for _ in range(count):
-                record = pending.popleft()
-                lines.append(fmt(record, when(wall + record.finished)))
-            if self._escape:
-                lines = _escaped(lines)
+            offset = time.time() - time.perf_counter()
+            lines = self._lines(records, offset, self._time)
             lines.append("")
             data = "\n".join(lines).encode("utf-8", "backslashreplace")
             try:

@@ -17,8 +17,8 @@ log off, costs a `traceparent` of its own.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -112,7 +112,11 @@ class Observation(AccessRecord):
     of its own.
     """
 
-    __slots__ = ("_observers", "_traceparent", "logged", "noted", "trace")
+    protocol = "rest"
+    status: int | str = 500
+    """What the HTTP server answers when the app raises before answering."""
+    trace: tracing.RequestTrace | None = None
+    _traceparent: bytes | None = None
 
     def __init__(
         self,
@@ -125,28 +129,25 @@ class Observation(AccessRecord):
         root_kept: bool = False,
     ) -> None:
         """`observed`: the request's headers named in `OBSERVED`; `root_kept`: the sampling
-        ratio was applied to this request already, and kept it."""
-        given: bytes | None = None
-        forwarded = False
+        ratio was applied to this request already, and kept it. (An access record's own fields
+        are set here, not by its `__init__`: one call fewer on every request.)"""
+        self.started = perf_counter()
+        self.method = method
+        self.path = path
+        self._observers = observers
+        self.logged = logged = observers.access.enabled
+        made: Scope | None = None
         trace_headers: dict[str, str] = {}
         for name, value in observed:
             if name == _REQUEST_ID:
-                given = value
+                self.request_id = usable_request_id(value.decode("latin-1"))
             elif name in _FORWARDED:
-                forwarded = True
+                if logged and made is None:
+                    made = scope()
+                    peer = made.get("client")
             elif name in _TRACE_HEADERS:
                 trace_headers[name.decode("latin-1")] = value.decode("latin-1")
-        made: Scope | None = None
-        self.logged = logged = observers.access.enabled
-        if logged and forwarded:
-            made = scope()
-            peer = made.get("client")
-        request_id = None if given is None else usable_request_id(given.decode("latin-1"))
-        AccessRecord.__init__(self, method, path, peer, "rest", request_id)
-        self.status = 500  # what the HTTP server answers when the app raises before answering
-        self._observers = observers
-        self.trace: tracing.RequestTrace | None = None
-        self._traceparent: bytes | None = None
+        self.client = peer
         tracer = observers.tracing
         if tracer.enabled:
             left_out = None if trace_headers or root_kept else tracer.left_out_root()
@@ -155,19 +156,19 @@ class Observation(AccessRecord):
             else:
                 made = made or scope()
                 self.trace = tracer.start(method, trace_headers, _attributes(made, method))
-        self.noted = logged or self.trace is not None
+                self.noted = True
+                return
+        self.noted = logged
 
-    def context(self) -> contextvars.Context:
-        """A copy of the caller's context with this request the one the data plane notes in:
-        what runs in it (`loop.call_soon(..., context=)`), and what that starts, a task or a
-        callback, notes there. One copy, which the loop's callback would have made anyway, and
-        a variable set in it for the access log and one for tracing, as each is on."""
-        context = contextvars.copy_context()
+    def make_current(self) -> None:
+        """Make this request the one the data plane notes in, in the context the caller runs in
+        and what it starts (a task or a callback): called first thing in the callback that runs
+        the request, in the copy of the context `loop.call_soon` makes for it (no copy of our
+        own)."""
         if self.logged:
-            context.run(access_log.CURRENT.set, self)
+            access_log.CURRENT.set(self)
         if self.trace is not None:
-            context.run(tracing.CURRENT.set, self.trace)
-        return context
+            tracing.CURRENT.set(self.trace)
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[None]:
@@ -179,6 +180,12 @@ class Observation(AccessRecord):
         """The answer starts with `status`: the header lines to add to its head, as the HTTP
         protocol writes them (`X-Request-Id` while the access log is on, `traceparent` while
         tracing is)."""
+        if self.logged and self.trace is None and self._traceparent is None:  # the log alone
+            self.status = status
+            own = self.request_id
+            if own is None:
+                own = self.request_id = new_request_id()
+            return b"x-request-id: %b\r\n" % own.encode()
         request_id, traceparent = self._answer_headers(status)
         if request_id is None:
             return b"" if traceparent is None else b"traceparent: %b\r\n" % traceparent
@@ -213,7 +220,9 @@ class Observation(AccessRecord):
         """The answer is sent (or the client went away): write the access line and end the
         span, named after `route`, the route's template, when one matched."""
         if self.logged:
-            self.finish(self.status)
+            self.finished = perf_counter()
+            if self.request_id is None:  # the client went away before its answer
+                self.request_id = new_request_id()
             self._observers.access.write(self)
         trace = self.trace
         if trace is not None and trace.recording:

@@ -206,7 +206,11 @@ class ProtocolCycle(RequestResponseCycle):
         if observation is None or not observation.noted:
             self._loop.call_soon(self._run)
         else:
-            self._loop.call_soon(self._run, context=observation.context())
+            self._loop.call_soon(self._run_observed, observation)
+
+    def _run_observed(self, observation: Observation) -> None:
+        observation.make_current()  # in the context call_soon copied for this callback
+        self._run()
 
     def _run(self) -> None:
         """Hand the whole request to the data plane; its answer comes back to this cycle. Each
