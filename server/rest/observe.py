@@ -180,12 +180,6 @@ class Observation(AccessRecord):
         """The answer starts with `status`: the header lines to add to its head, as the HTTP
         protocol writes them (`X-Request-Id` while the access log is on, `traceparent` while
         tracing is)."""
-        if self.logged and self.trace is None and self._traceparent is None:  # the log alone
-            self.status = status
-            own = self.request_id
-            if own is None:
-                own = self.request_id = new_request_id()
-            return b"x-request-id: %b\r\n" % own.encode()
         request_id, traceparent = self._answer_headers(status)
         if request_id is None:
             return b"" if traceparent is None else b"traceparent: %b\r\n" % traceparent
@@ -220,9 +214,7 @@ class Observation(AccessRecord):
         """The answer is sent (or the client went away): write the access line and end the
         span, named after `route`, the route's template, when one matched."""
         if self.logged:
-            self.finished = perf_counter()
-            if self.request_id is None:  # the client went away before its answer
-                self.request_id = new_request_id()
+            self.finish(self.status)
             self._observers.access.write(self)
         trace = self.trace
         if trace is not None and trace.recording:
