@@ -1,7 +1,8 @@
 """Tracing's gRPC side: an interceptor, first in line (so refused calls are traced too), that
 opens each call's server span, the child of the client's `traceparent` metadata, returns the
 span's own `traceparent` as initial metadata, and ends it when the call ends
-(server/observability/tracing.py makes its children). Installed only when tracing is on."""
+(server/observability/tracing.py makes its children). A call without trace context that the
+sampling ratio leaves out gets no span and no `traceparent`. Installed only when tracing is on."""
 
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _start(
         self, method: str, headers: dict[str, str], context: grpc.aio.ServicerContext
-    ) -> RequestTrace:
-        trace = None if headers else self.tracing.unsampled_root()
-        if trace is not None:
-            await context.send_initial_metadata(((TRACEPARENT, self.tracing.traceparent(trace)),))
-            return trace
+    ) -> RequestTrace | None:
+        """The call's server span, its `traceparent` sent; None for a root the ratio leaves
+        out."""
+        if not headers and self.tracing.leaves_out_root():
+            return None
         name = method.lstrip("/")
         service, _, rpc = name.rpartition("/")
         attributes: dict[str, str | int] = {
@@ -78,8 +79,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         await context.send_initial_metadata(((TRACEPARENT, self.tracing.traceparent(trace)),))
         return trace
 
-    def _end(self, trace: RequestTrace, context: Any, error: BaseException | None) -> None:
-        if not trace.recording:
+    def _end(self, trace: RequestTrace | None, context: Any, error: BaseException | None) -> None:
+        if trace is None or not trace.recording:
             return
         code = _code(context, error)
         self.tracing.end(trace, {"rpc.grpc.status_code": code.value[0]}, error_for_grpc(code.name))

@@ -223,7 +223,7 @@ class Tracing:
             resource["service.name"] = "scriptserve"
         if sampling_ratio is not None:
             # A request without a client's traceparent (a root) is sampled here
-            # (`left_out_root`): a root left out costs two random numbers. A client's parent is
+            # (`leaves_out_root`): a root left out costs one random draw. A client's parent is
             # followed.
             self._root_ratio = sampling_ratio
             self._sampler: Any = ParentBased(ALWAYS_ON)
@@ -255,7 +255,7 @@ class Tracing:
     @property
     def samples_roots(self) -> bool:
         """Requests without a client's trace context are sampled at a ratio of the server's
-        (`left_out_root`), not by the SDK's sampler."""
+        (`leaves_out_root`), not by the SDK's sampler."""
         return self._root_ratio is not None
 
     # -- a request's server span -------------------------------------------------------------
@@ -297,27 +297,12 @@ class Tracing:
                 attributes.update(result.attributes)
         return RequestTrace(trace_id, span_id, 1, name, attributes, started)
 
-    def unsampled_root(self) -> RequestTrace | None:
-        """For a request without a `traceparent`: a trace that records nothing when the sampling
-        ratio leaves it out, else None (open it with `start`). Always None when the sampler is
-        the SDK's own (OTEL_TRACES_SAMPLER)."""
-        if not self._leaves_out_root():
-            return None
-        return RequestTrace(random.getrandbits(128) or 1, random.getrandbits(64) or 1, 0)
-
-    def left_out_root(self) -> bytes | None:
-        """For a request without a `traceparent`: the `traceparent` of a trace the sampling
-        ratio leaves out (nothing records it: only this goes back to the client), else None
-        (open it with `start`). Its ids are 24 random bytes written as hex in one pass: what an
-        HTTP request the ratio leaves out costs (an all-zero id, which W3C's format forbids,
-        has odds of 2**-64 at most)."""
-        if not self._leaves_out_root():
-            return None
-        return b"00-%b-00" % random.randbytes(24).hex("-", -16).encode()
-
-    def _leaves_out_root(self) -> bool:
+    def leaves_out_root(self) -> bool:
         """The sampling ratio's draw for a request without a `traceparent`: True when the ratio
-        is the server's and leaves it out."""
+        is the server's and leaves it out. Nothing is made of such a request (no span, no ids,
+        no `traceparent` in its answer: nothing would record the trace it named); open every
+        other with `start`. Always False when the sampler is the SDK's own
+        (OTEL_TRACES_SAMPLER)."""
         ratio = self._root_ratio
         return ratio is not None and random.random() >= ratio
 

@@ -11,7 +11,7 @@ only while the access log or tracing is on (with both off a request pays one att
 and reads no more of the request than what is on: of its headers, only the few it reads
 (`OBSERVED`), which the HTTP protocol picks out in the one loop that reads the head and the
 ASGI layer with `observed_headers`; a request the sampling ratio leaves out, with the access
-log off, costs a `traceparent` of its own.
+log off, costs a scan of its head's names and one random draw, and nothing is kept of it.
 """
 
 from __future__ import annotations
@@ -77,25 +77,23 @@ class Observers:
         observed: Headers,
         peer: Peer | None,
         scope: Callable[[], Scope],
-    ) -> tuple[Observation | None, bytes]:
-        """What the HTTP protocol keeps of a request that arrived now from `peer`, given the
-        request's `observed` headers (those named in `OBSERVED`, usually none): its
-        observation, or, for a request only tracing would see (the access log off) that
-        carries no trace context of the client's and that the sampling ratio leaves out, no
-        observation and the header line of the `traceparent` of its own that its answer
-        returns (what a request costs at ratio 0). `scope` makes the request's ASGI scope (or
-        what the protocol makes of a request head in that form), called only when something
-        reads more of it than its method, path, observed headers and peer."""
+    ) -> Observation | None:
+        """The observation of a request that arrived now from `peer`, given the request's
+        `observed` headers (those named in `OBSERVED`, usually none); None for a request only
+        tracing would see (the access log off) that carries no trace context of the client's
+        and that the sampling ratio leaves out: nothing is kept of it (what a request costs at
+        ratio 0). `scope` makes the request's ASGI scope (or what the protocol makes of a
+        request head in that form), called only when something reads more of it than its
+        method, path, observed headers and peer."""
         if self._ratio_only:
             for name, _ in observed:
                 if name in _TRACE_HEADERS:
                     break
             else:
-                left_out = self.tracing.left_out_root()
-                if left_out is not None:
-                    return None, b"traceparent: %b\r\n" % left_out
-                return Observation(self, method, path, observed, peer, scope, root_kept=True), b""
-        return Observation(self, method, path, observed, peer, scope), b""
+                if self.tracing.leaves_out_root():
+                    return None
+                return Observation(self, method, path, observed, peer, scope, root_kept=True)
+        return Observation(self, method, path, observed, peer, scope)
 
 
 def observed_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
@@ -108,15 +106,14 @@ class Observation(AccessRecord):
     record (written only while the access log is on: `logged`) and its span.
 
     `noted` says whether the data plane has anything to note in it: False for a request the
-    access log does not see and the sampling ratio leaves out, which only gets a `traceparent`
-    of its own.
+    access log does not see and the sampling ratio leaves out (an observation made outside the
+    inference routes, where every request is observed while either is on).
     """
 
     protocol = "rest"
     status: int | str = 500
     """What the HTTP server answers when the app raises before answering."""
     trace: tracing.RequestTrace | None = None
-    _traceparent: bytes | None = None
 
     def __init__(
         self,
@@ -149,15 +146,11 @@ class Observation(AccessRecord):
                 trace_headers[name.decode("latin-1")] = value.decode("latin-1")
         self.client = peer
         tracer = observers.tracing
-        if tracer.enabled:
-            left_out = None if trace_headers or root_kept else tracer.left_out_root()
-            if left_out is not None:
-                self._traceparent = left_out
-            else:
-                made = made or scope()
-                self.trace = tracer.start(method, trace_headers, _attributes(made, method))
-                self.noted = True
-                return
+        if tracer.enabled and (trace_headers or root_kept or not tracer.leaves_out_root()):
+            made = made or scope()
+            self.trace = tracer.start(method, trace_headers, _attributes(made, method))
+            self.noted = True
+            return
         self.noted = logged
 
     def make_current(self) -> None:
@@ -179,7 +172,7 @@ class Observation(AccessRecord):
     def answered(self, status: int) -> bytes:
         """The answer starts with `status`: the header lines to add to its head, as the HTTP
         protocol writes them (`X-Request-Id` while the access log is on, `traceparent` while
-        tracing is)."""
+        the request is traced)."""
         request_id, traceparent = self._answer_headers(status)
         if request_id is None:
             return b"" if traceparent is None else b"traceparent: %b\r\n" % traceparent
@@ -204,7 +197,7 @@ class Observation(AccessRecord):
             request_id = self.request_id.encode()
         if self.trace is not None:
             return request_id, self._observers.tracing.traceparent(self.trace).encode()
-        return request_id, self._traceparent
+        return request_id, None
 
     def sent(self, size: int) -> None:
         """`size` bytes of the answer's body went out."""

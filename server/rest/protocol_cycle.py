@@ -106,9 +106,6 @@ class ProtocolCycle(RequestResponseCycle):
             elif observing and name in OBSERVED:
                 observed.append((name, value))
         self.observation: Observation | None = None
-        self.left_out = b""
-        """The `traceparent` line of a request only tracing sees and its sampling leaves out:
-        all that is kept of it (no observation)."""
         if observing:
             self._observe(protocol, observed)
 
@@ -118,7 +115,7 @@ class ProtocolCycle(RequestResponseCycle):
         """Open the request's observation (the access log or tracing is on), from its
         `observed` headers (those in `OBSERVED`)."""
         self._protocol = protocol
-        self.observation, self.left_out = self.routes.observers.observe(
+        self.observation = self.routes.observers.observe(
             self.method, self.path, observed, protocol.client, self._scope
         )
 
@@ -253,8 +250,6 @@ class ProtocolCycle(RequestResponseCycle):
         head.append(lines)
         if self.observation is not None:
             head.append(self.observation.answered(status))
-        elif self.left_out:
-            head.append(self.left_out)
         for key, text in (headers or {}).items():
             lower = key.lower()
             name, value = lower.encode("latin-1"), text.encode("latin-1")
