@@ -258,6 +258,12 @@ class Tracing:
         (`leaves_out_root`), not by the SDK's sampler."""
         return self._root_ratio is not None
 
+    @property
+    def samples_no_root(self) -> bool:
+        """The server's sampling ratio is 0: every request without a client's trace context is
+        left out (`leaves_out_root` is always True)."""
+        return self._root_ratio == 0
+
     # -- a request's server span -------------------------------------------------------------
     def start(
         self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]

@@ -60,6 +60,10 @@ class Observers:
         self._ratio_only = False
         """Only tracing is on, and it samples roots at a ratio: `observe` leaves roots out
         without an observation."""
+        self.bare_left_out = False
+        """Only tracing is on, at a sampling ratio of 0: a request without any of the `OBSERVED`
+        headers (so without a client's trace context) is left out, and the HTTP protocol need
+        not call `observe` for it."""
         self.settle()
 
     def settle(self) -> None:
@@ -69,6 +73,7 @@ class Observers:
         access, tracing = self.access, self.tracing
         self.enabled = access.enabled or tracing.enabled
         self._ratio_only = tracing.enabled and tracing.samples_roots and not access.enabled
+        self.bare_left_out = self._ratio_only and tracing.samples_no_root
 
     def observe(
         self,

@@ -106,7 +106,7 @@ class ProtocolCycle(RequestResponseCycle):
             elif observing and name in OBSERVED:
                 observed.append((name, value))
         self.observation: Observation | None = None
-        if observing:
+        if observing and (observed or not routes.observers.bare_left_out):
             self._observe(protocol, observed)
 
     def _observe(

@@ -85,6 +85,24 @@ def test_a_request_someone_records_is_observed(never: Tracing) -> None:
         sdk.close(timeout_s=0.1)
 
 
+def test_at_ratio_0_a_request_without_observed_headers_is_left_out_unseen(never: Tracing) -> None:
+    """`bare_left_out` lets the HTTP protocol skip `observe` for a request with none of the
+    observed headers: only at ratio 0 with the access log off, where `observe` leaves every
+    such request out."""
+    assert Observers(AccessLog(), never).bare_left_out
+    assert Observers(AccessLog(), never).observe("POST", "/p", OBSERVED, PEER, scope) is None
+    half = tracer(0.5)
+    access = AccessLog("stderr")
+    try:
+        assert not Observers(AccessLog(), half).bare_left_out  # half the roots are kept
+        assert not Observers(access, never).bare_left_out  # every request has its line
+        off = Tracing()
+        assert not Observers(AccessLog(), off).bare_left_out and not off.enabled
+    finally:
+        access.close()
+        half.close(timeout_s=0.1)
+
+
 def test_an_observation_reads_only_the_headers_it_names() -> None:
     """The ASGI layer's pick (the HTTP protocol picks the same names in its own loop over the
     head): the request id, the client's trace context and the forwarding headers."""

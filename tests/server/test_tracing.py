@@ -349,6 +349,50 @@ def test_the_sampling_ratio_samples_roots_and_follows_clients(store: Path) -> No
     assert not exporter.is_running() or exporter.status() == psutil.STATUS_ZOMBIE
 
 
+def test_at_ratio_0_only_a_clients_trace_context_is_traced(store: Path) -> None:
+    """At a sampling ratio of 0 a request without trace context is answered with no
+    `traceparent` and recorded nowhere, whatever other observed header it carries (the HTTP
+    protocol skips the observation of a request with none of them); a client's sampled parent
+    is followed, and an unsampled one is answered with the server span's unsampled
+    `traceparent`."""
+    receiver = GrpcReceiver()
+    proc = ServerProcess(
+        store,
+        "--workers",
+        "1",
+        "--tracing",
+        "--tracing-endpoint",
+        receiver.endpoint,
+        "--tracing-protocol",
+        "grpc",
+        "--tracing-sampling-ratio",
+        "0",
+        env=FAST_EXPORT,
+    ).start()
+    url = f"{proc.url}/predictions/tiny"
+    try:
+        with httpx.Client() as client:
+            for headers in ({}, {"X-Request-Id": "bare-1"}, {"X-Forwarded-For": "10.0.0.9"}):
+                for _ in range(10):
+                    reply = client.post(url, json=ROW, headers=headers)
+                    assert reply.status_code == 200 and "traceparent" not in reply.headers
+            unsampled, unsampled_id, _ = new_parent(sampled=False)
+            reply = client.post(url, json=ROW, headers={"traceparent": unsampled})
+            assert reply.headers["traceparent"].split("-")[1] == unsampled_id
+            assert not sampled(reply.headers["traceparent"])
+            parent, trace_id, span_id = new_parent()
+            reply = client.post(url, json=ROW, headers={"traceparent": parent})
+            assert sampled(reply.headers["traceparent"])
+        spans = receiver.trace(trace_id, TREE_SPANS)
+        (server_span,) = [s for s in spans if s.kind == "SERVER"]
+        assert server_span.parent_id == span_id
+        route = "POST /predictions/{model_name}"
+        assert {s.trace_id for s in receiver.spans if s.name == route} == {trace_id}
+    finally:
+        proc.stop()
+        receiver.stop()
+
+
 def test_tracing_is_off_by_default(server: ServerProcess) -> None:
     reply = httpx.post(f"{server.url}/predictions/tiny", json=ROW)
     assert reply.status_code == 200 and "traceparent" not in reply.headers
