@@ -210,3 +210,13 @@ def test_the_epyc_run_of_ratio_0() -> None:
     # AMD EPYC (Zen 4), 300 pairs (control 1.007, standard error 0.008): ratio 0's 0.966 misses
     # 0.99, as on this CPU before (0.968).
     assert _verdicts("lock_in-2026-12-04T022337.json") == {"tracing-0": "not met"}
+
+
+def test_the_epyc_run_after_left_out_roots_lost_their_traceparent() -> None:
+    # AMD EPYC (Zen 4), 300 pairs a switch, once a root left out got no traceparent of its own
+    # (control 0.999, standard errors 0.009-0.010): ratio 0's 0.979 and 0.01's 0.975 are both
+    # within the noise of their targets, 0.99 and 0.97.
+    assert _verdicts("lock_in-2026-12-04T035512.json") == {
+        "tracing-0": "not decided",
+        "tracing-0.01": "not decided",
+    }
