@@ -158,15 +158,15 @@ class Observation(AccessRecord):
             return
         self.noted = logged
 
-    def make_current(self) -> None:
-        """Make this request the one the data plane notes in, in the context the caller runs in
-        and what it starts (a task or a callback): called first thing in the callback that runs
-        the request, in the copy of the context `loop.call_soon` makes for it (no copy of our
-        own)."""
+    def run_current(self, run: Callable[[], object]) -> None:
+        """Call `run` (the callback that hands the request to the data plane) with this request
+        the one the data plane notes in: scheduled with `loop.call_soon`, so in the copy of the
+        context it makes for every callback (no copy of our own)."""
         if self.logged:
             access_log.CURRENT.set(self)
         if self.trace is not None:
             tracing.CURRENT.set(self.trace)
+        run()
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[None]:
@@ -177,36 +177,27 @@ class Observation(AccessRecord):
     def answered(self, status: int) -> bytes:
         """The answer starts with `status`: the header lines to add to its head, as the HTTP
         protocol writes them (`X-Request-Id` while the access log is on, `traceparent` while
-        the request is traced)."""
-        request_id, traceparent = self._answer_headers(status)
-        if request_id is None:
-            return b"" if traceparent is None else b"traceparent: %b\r\n" % traceparent
-        if traceparent is None:
-            return b"x-request-id: %b\r\n" % request_id
-        return b"x-request-id: %b\r\ntraceparent: %b\r\n" % (request_id, traceparent)
-
-    def answered_pairs(self, status: int) -> list[tuple[bytes, bytes]]:
-        """`answered`'s headers as an ASGI message's (name, value) pairs."""
-        request_id, traceparent = self._answer_headers(status)
-        pairs = [] if request_id is None else [(_REQUEST_ID, request_id)]
-        if traceparent is not None:
-            pairs.append((_TRACEPARENT, traceparent))
-        return pairs
-
-    def _answer_headers(self, status: int) -> tuple[bytes | None, bytes | None]:
+        the request is traced). The bytes of the answer's body are added to `bytes_sent` as
+        they go out."""
         self.status = status
-        request_id = None
+        lines = b""
         if self.logged:
             if self.request_id is None:
                 self.request_id = new_request_id()
-            request_id = self.request_id.encode()
+            lines = b"x-request-id: %b\r\n" % self.request_id.encode()
         if self.trace is not None:
-            return request_id, self._observers.tracing.traceparent(self.trace).encode()
-        return request_id, None
+            traceparent = self._observers.tracing.traceparent(self.trace).encode()
+            lines += b"traceparent: %b\r\n" % traceparent
+        return lines
 
-    def sent(self, size: int) -> None:
-        """`size` bytes of the answer's body went out."""
-        self.bytes_sent += size
+    def answered_pairs(self, status: int) -> list[tuple[bytes, bytes]]:
+        """`answered`'s headers as an ASGI message's (name, value) pairs."""
+        pairs = []
+        for line in self.answered(status).split(b"\r\n"):
+            if line:
+                name, _, value = line.partition(b": ")
+                pairs.append((name, value))
+        return pairs
 
     def close(self, route: str | None) -> None:
         """The answer is sent (or the client went away): write the access line and end the
@@ -251,7 +242,7 @@ class Observed:
                 lines = observation.answered_pairs(message["status"])
                 message = {**message, "headers": [*message.get("headers", ()), *lines]}
             elif message["type"] == "http.response.body":
-                observation.sent(len(message.get("body", b"")))
+                observation.bytes_sent += len(message.get("body", b""))
             await send(message)
 
         with observation.opened():

@@ -106,18 +106,12 @@ class ProtocolCycle(RequestResponseCycle):
             elif observing and name in OBSERVED:
                 observed.append((name, value))
         self.observation: Observation | None = None
+        """The request's observation, while the access log or tracing is on and sees it."""
         if observing and (observed or not routes.observers.bare_left_out):
-            self._observe(protocol, observed)
-
-    def _observe(
-        self, protocol: InferenceHttpProtocol, observed: list[tuple[bytes, bytes]]
-    ) -> None:
-        """Open the request's observation (the access log or tracing is on), from its
-        `observed` headers (those in `OBSERVED`)."""
-        self._protocol = protocol
-        self.observation = self.routes.observers.observe(
-            self.method, self.path, observed, protocol.client, self._scope
-        )
+            self._protocol = protocol
+            self.observation = routes.observers.observe(
+                method, path, observed, protocol.client, self._scope
+            )
 
     def _scope(self) -> dict[str, Any]:
         """What the access log and tracing read of the request head, as an ASGI scope has it,
@@ -203,11 +197,7 @@ class ProtocolCycle(RequestResponseCycle):
         if observation is None or not observation.noted:
             self._loop.call_soon(self._run)
         else:
-            self._loop.call_soon(self._run_observed, observation)
-
-    def _run_observed(self, observation: Observation) -> None:
-        observation.make_current()  # in the context call_soon copied for this callback
-        self._run()
+            self._loop.call_soon(observation.run_current, self._run)
 
     def _run(self) -> None:
         """Hand the whole request to the data plane; its answer comes back to this cycle. Each
@@ -284,7 +274,7 @@ class ProtocolCycle(RequestResponseCycle):
         if self.method == "HEAD":  # a 405: the head says what the body would be
             payload = b""
         elif self.observation is not None:
-            self.observation.sent(size)
+            self.observation.bytes_sent += size
         self.transport.write(b"%scontent-length: %d\r\n\r\n%s" % (head, size, payload))
         self._complete()
 

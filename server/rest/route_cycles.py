@@ -215,5 +215,5 @@ class PredictionCycle(ProtocolCycle):
         if not data:
             return b""
         if self.observation is not None:
-            self.observation.sent(len(data))
+            self.observation.bytes_sent += len(data)
         return b"%x\r\n%s\r\n" % (len(data), data)
