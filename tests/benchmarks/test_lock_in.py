@@ -220,3 +220,14 @@ def test_the_epyc_run_after_left_out_roots_lost_their_traceparent() -> None:
         "tracing-0": "not decided",
         "tracing-0.01": "not decided",
     }
+
+
+def test_the_epyc_run_after_four_calls_fewer() -> None:
+    # AMD EPYC (Zen 4), 200 pairs a switch, after the observation made four calls fewer on the
+    # loop and ratio 0 skipped requests without observed headers (control 1.008, standard
+    # errors 0.009-0.010): the access log's 0.926 misses 0.95; ratio 0's 0.994 is above 0.99
+    # but within the run's noise of it.
+    assert _verdicts("lock_in-2026-12-04T050154.json") == {
+        "access-log-plain": "not met",
+        "tracing-0": "not decided",
+    }
