@@ -17,6 +17,7 @@ log off, costs a scan of its head's names and one random draw, and nothing is ke
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
 from typing import Any
@@ -50,6 +51,13 @@ CLIENT_GONE = 499
 """The status an access line records for a request whose client went away before its answer."""
 
 
+Observe = Callable[[str, str, Headers, Peer | None, Callable[[], Scope]], "Observation | None"]
+"""`Observers.observe`: the observation of a request that arrived now, given its method, path,
+the headers of it named in `OBSERVED` (usually none), its peer and what makes its ASGI scope (or
+what the protocol makes of a request head in that form), called only when something reads more
+of it than those; None when nothing is kept of it."""
+
+
 class Observers:
     """The access log and tracing of an HTTP server; `enabled` when either is on."""
 
@@ -57,6 +65,11 @@ class Observers:
         self.access = access
         self.tracing = tracing
         self.enabled = False
+        self.observe: Observe
+        """The observation of a request that arrived now: `Observation` bound to these
+        observers, or `_sampled` while only tracing is on at a sampling ratio. Set by `settle`:
+        the protocol's call goes straight to the observation's making, no function of ours
+        between them."""
         self._ratio_only = False
         """Only tracing is on, and it samples roots at a ratio: `observe` leaves roots out
         without an observation."""
@@ -74,8 +87,9 @@ class Observers:
         self.enabled = access.enabled or tracing.enabled
         self._ratio_only = tracing.enabled and tracing.samples_roots and not access.enabled
         self.bare_left_out = self._ratio_only and tracing.samples_no_root
+        self.observe = self._sampled if self._ratio_only else functools.partial(Observation, self)
 
-    def observe(
+    def _sampled(
         self,
         method: str,
         path: str,
@@ -83,22 +97,15 @@ class Observers:
         peer: Peer | None,
         scope: Callable[[], Scope],
     ) -> Observation | None:
-        """The observation of a request that arrived now from `peer`, given the request's
-        `observed` headers (those named in `OBSERVED`, usually none); None for a request only
-        tracing would see (the access log off) that carries no trace context of the client's
-        and that the sampling ratio leaves out: nothing is kept of it (what a request costs at
-        ratio 0). `scope` makes the request's ASGI scope (or what the protocol makes of a
-        request head in that form), called only when something reads more of it than its
-        method, path, observed headers and peer."""
-        if self._ratio_only:
-            for name, _ in observed:
-                if name in _TRACE_HEADERS:
-                    break
-            else:
-                if self.tracing.leaves_out_root():
-                    return None
-                return Observation(self, method, path, observed, peer, scope, root_kept=True)
-        return Observation(self, method, path, observed, peer, scope)
+        """`observe` while only tracing is on, at a sampling ratio: None for a request that
+        carries no trace context of the client's and that the ratio leaves out (nothing is
+        kept of it: what a request costs at ratio 0), else its observation."""
+        for name, _ in observed:
+            if name in _TRACE_HEADERS:
+                return Observation(self, method, path, observed, peer, scope)
+        if self.tracing.leaves_out_root():
+            return None
+        return Observation(self, method, path, observed, peer, scope, root_kept=True)
 
 
 def observed_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
@@ -137,10 +144,10 @@ class Observation(AccessRecord):
         self.method = method
         self.path = path
         self._observers = observers
-        self.logged = logged = observers.access.enabled
+        self.logged = self.noted = logged = observers.access.enabled
         made: Scope | None = None
-        trace_headers: dict[str, str] = {}
-        for name, value in observed:
+        trace_headers: dict[str, str] | None = None
+        for name, value in observed:  # usually none
             if name == _REQUEST_ID:
                 self.request_id = usable_request_id(value.decode("latin-1"))
             elif name in _FORWARDED:
@@ -148,15 +155,15 @@ class Observation(AccessRecord):
                     made = scope()
                     peer = made.get("client")
             elif name in _TRACE_HEADERS:
+                if trace_headers is None:
+                    trace_headers = {}
                 trace_headers[name.decode("latin-1")] = value.decode("latin-1")
         self.client = peer
         tracer = observers.tracing
         if tracer.enabled and (trace_headers or root_kept or not tracer.leaves_out_root()):
             made = made or scope()
-            self.trace = tracer.start(method, trace_headers, _attributes(made, method))
+            self.trace = tracer.start(method, trace_headers or {}, _attributes(made, method))
             self.noted = True
-            return
-        self.noted = logged
 
     def run_current(self, run: Callable[[], object]) -> None:
         """Call `run` (the callback that hands the request to the data plane) with this request
@@ -202,8 +209,10 @@ class Observation(AccessRecord):
     def close(self, route: str | None) -> None:
         """The answer is sent (or the client went away): write the access line and end the
         span, named after `route`, the route's template, when one matched."""
-        if self.logged:
-            self.finish(self.status)
+        if self.logged:  # `AccessRecord.finish`, written out: one call fewer on every request
+            self.finished = perf_counter()
+            if self.request_id is None:
+                self.request_id = new_request_id()
             self._observers.access.write(self)
         trace = self.trace
         if trace is not None and trace.recording:

@@ -293,8 +293,10 @@ class ProtocolCycle(RequestResponseCycle):
         self.response_complete = True
         if not self.keep_alive:
             self.transport.close()
-        if self.observation is not None:
-            self._observed_end()
+        observation = self.observation
+        if observation is not None:  # `_observed_end`, written out for the answered request
+            self.observation = None
+            observation.close(self.route.template)
         on_response, self.on_response = self.on_response, _nothing
         on_response()
 
