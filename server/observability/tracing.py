@@ -35,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -197,6 +199,13 @@ class Tracing:
         self._export: SpanExport | None = None
         self._offset_s = time.time() - time.monotonic()
         self._root_ratio: float | None = None
+        self.roots_left_out = 0
+        """Roots the sampling ratio leaves out before it keeps the next one: the ratio's draws
+        made in advance, one geometric draw of the gap (`_gap`) in place of one draw a root,
+        which is the same process (each root is kept at the ratio, independently of the
+        others). Counted down by `leaves_out_root`, and by the HTTP protocol itself for a
+        request nothing else would see (server/rest/protocol_cycle.py): on the event loop's
+        thread, where every request starts. 0 when there is no ratio of the server's."""
         if not enabled:
             return
         env = os.environ if environ is None else environ
@@ -223,9 +232,10 @@ class Tracing:
             resource["service.name"] = "scriptserve"
         if sampling_ratio is not None:
             # A request without a client's traceparent (a root) is sampled here
-            # (`leaves_out_root`): a root left out costs one random draw. A client's parent is
+            # (`leaves_out_root`): a root left out costs a count down. A client's parent is
             # followed.
             self._root_ratio = sampling_ratio
+            self.roots_left_out = self._gap()
             self._sampler: Any = ParentBased(ALWAYS_ON)
         else:  # the SDK's, from OTEL_TRACES_SAMPLER (parent-based always-on when unset)
             self._sampler = TracerProvider(shutdown_on_exit=False).sampler
@@ -257,12 +267,6 @@ class Tracing:
         """Requests without a client's trace context are sampled at a ratio of the server's
         (`leaves_out_root`), not by the SDK's sampler."""
         return self._root_ratio is not None
-
-    @property
-    def samples_no_root(self) -> bool:
-        """The server's sampling ratio is 0: every request without a client's trace context is
-        left out (`leaves_out_root` is always True)."""
-        return self._root_ratio == 0
 
     # -- a request's server span -------------------------------------------------------------
     def start(
@@ -304,13 +308,28 @@ class Tracing:
         return RequestTrace(trace_id, span_id, 1, name, attributes, started)
 
     def leaves_out_root(self) -> bool:
-        """The sampling ratio's draw for a request without a `traceparent`: True when the ratio
-        is the server's and leaves it out. Nothing is made of such a request (no span, no ids,
-        no `traceparent` in its answer: nothing would record the trace it named); open every
-        other with `start`. Always False when the sampler is the SDK's own
-        (OTEL_TRACES_SAMPLER)."""
+        """The sampling ratio's decision for a request without a `traceparent`: True when the
+        ratio is the server's and leaves it out (`roots_left_out`). Nothing is made of such a
+        request (no span, no ids, no `traceparent` in its answer: nothing would record the
+        trace it named); open every other with `start`. Always False when the sampler is the
+        SDK's own (OTEL_TRACES_SAMPLER)."""
+        if self.roots_left_out:
+            self.roots_left_out -= 1
+            return True
+        if self._root_ratio is not None:
+            self.roots_left_out = self._gap()  # this one is kept: the gap to the next
+        return False
+
+    def _gap(self) -> int:
+        """How many roots the ratio leaves out before the next one it keeps: the number of
+        failures before the first success of draws that succeed at the ratio (geometric), by
+        inversion of one uniform draw; at ratio 0 no root is ever kept."""
         ratio = self._root_ratio
-        return ratio is not None and random.random() >= ratio
+        if ratio is None or ratio >= 1:
+            return 0
+        if ratio <= 0:
+            return sys.maxsize
+        return int(math.log(1.0 - random.random()) / math.log1p(-ratio))
 
     def traceparent(self, trace: RequestTrace) -> str:
         """The W3C traceparent of the request's span, returned to the client."""

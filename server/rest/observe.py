@@ -11,7 +11,8 @@ only while the access log or tracing is on (with both off a request pays one att
 and reads no more of the request than what is on: of its headers, only the few it reads
 (`OBSERVED`), which the HTTP protocol picks out in the one loop that reads the head and the
 ASGI layer with `observed_headers`; a request the sampling ratio leaves out, with the access
-log off, costs a scan of its head's names and one random draw, and nothing is kept of it.
+log off, costs a scan of its head's names and a count down (`Tracing.roots_left_out`), and
+nothing is kept of it.
 """
 
 from __future__ import annotations
@@ -70,13 +71,10 @@ class Observers:
         observers, or `_sampled` while only tracing is on at a sampling ratio. Set by `settle`:
         the protocol's call goes straight to the observation's making, no function of ours
         between them."""
-        self._ratio_only = False
+        self.ratio_only = False
         """Only tracing is on, and it samples roots at a ratio: `observe` leaves roots out
-        without an observation."""
-        self.bare_left_out = False
-        """Only tracing is on, at a sampling ratio of 0: a request without any of the `OBSERVED`
-        headers (so without a client's trace context) is left out, and the HTTP protocol need
-        not call `observe` for it."""
+        without an observation, and the HTTP protocol need not call it for a request without
+        any of the `OBSERVED` headers that the ratio leaves out (`Tracing.roots_left_out`)."""
         self.settle()
 
     def settle(self) -> None:
@@ -85,9 +83,8 @@ class Observers:
         on and off in one server)."""
         access, tracing = self.access, self.tracing
         self.enabled = access.enabled or tracing.enabled
-        self._ratio_only = tracing.enabled and tracing.samples_roots and not access.enabled
-        self.bare_left_out = self._ratio_only and tracing.samples_no_root
-        self.observe = self._sampled if self._ratio_only else functools.partial(Observation, self)
+        self.ratio_only = tracing.enabled and tracing.samples_roots and not access.enabled
+        self.observe = self._sampled if self.ratio_only else functools.partial(Observation, self)
 
     def _sampled(
         self,
@@ -99,7 +96,7 @@ class Observers:
     ) -> Observation | None:
         """`observe` while only tracing is on, at a sampling ratio: None for a request that
         carries no trace context of the client's and that the ratio leaves out (nothing is
-        kept of it: what a request costs at ratio 0), else its observation."""
+        kept of it), else its observation."""
         for name, _ in observed:
             if name in _TRACE_HEADERS:
                 return Observation(self, method, path, observed, peer, scope)
@@ -209,10 +206,8 @@ class Observation(AccessRecord):
     def close(self, route: str | None) -> None:
         """The answer is sent (or the client went away): write the access line and end the
         span, named after `route`, the route's template, when one matched."""
-        if self.logged:  # `AccessRecord.finish`, written out: one call fewer on every request
-            self.finished = perf_counter()
-            if self.request_id is None:
-                self.request_id = new_request_id()
+        if self.logged:
+            self.finish(self.status)
             self._observers.access.write(self)
         trace = self.trace
         if trace is not None and trace.recording:

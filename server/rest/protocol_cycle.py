@@ -49,7 +49,7 @@ class ProtocolCycle(RequestResponseCycle):
     which is used here.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0915  (the head read in one pass: a helper is a call a request)
         self,
         protocol: InferenceHttpProtocol,
         routes: ProtocolRoutes,
@@ -107,11 +107,16 @@ class ProtocolCycle(RequestResponseCycle):
                 observed.append((name, value))
         self.observation: Observation | None = None
         """The request's observation, while the access log or tracing is on and sees it."""
-        if observing and (observed or not routes.observers.bare_left_out):
-            self._protocol = protocol
-            self.observation = routes.observers.observe(
-                method, path, observed, protocol.client, self._scope
-            )
+        if observing:
+            observers = routes.observers
+            tracer = observers.tracing
+            if not observed and observers.ratio_only and tracer.roots_left_out:
+                tracer.roots_left_out -= 1  # the ratio leaves it out, and nothing else sees it
+            else:
+                self._protocol = protocol
+                self.observation = observers.observe(
+                    method, path, observed, protocol.client, self._scope
+                )
 
     def _scope(self) -> dict[str, Any]:
         """What the access log and tracing read of the request head, as an ASGI scope has it,
@@ -293,10 +298,8 @@ class ProtocolCycle(RequestResponseCycle):
         self.response_complete = True
         if not self.keep_alive:
             self.transport.close()
-        observation = self.observation
-        if observation is not None:  # `_observed_end`, written out for the answered request
-            self.observation = None
-            observation.close(self.route.template)
+        if self.observation is not None:
+            self._observed_end()
         on_response, self.on_response = self.on_response, _nothing
         on_response()
 

@@ -65,18 +65,18 @@ def test_the_access_log_switch_turns_the_observers_off_and_on(access: AccessLog)
     assert not observers.enabled
     set_switch(observers, "access-log-plain", True)
     assert observers.enabled and observers.access.enabled
-    assert not observers._ratio_only
+    assert not observers.ratio_only
 
 
 def test_the_tracing_switch_leaves_the_ratio_shortcut_only_while_tracing_is_on(
     tracing: Tracing,
 ) -> None:
     observers = Observers(AccessLog("off"), tracing)
-    assert observers.enabled and observers._ratio_only
+    assert observers.enabled and observers.ratio_only
     set_switch(observers, "tracing-0", False)
-    assert not observers.enabled and not observers._ratio_only and not tracing.enabled
+    assert not observers.enabled and not observers.ratio_only and not tracing.enabled
     set_switch(observers, "tracing-0", True)
-    assert observers.enabled and observers._ratio_only and tracing.enabled
+    assert observers.enabled and observers.ratio_only and tracing.enabled
 
 
 def test_the_control_flips_nothing(access: AccessLog) -> None:

@@ -9,6 +9,9 @@ sampled requests are never ended, so nothing is exported.
 
 from __future__ import annotations
 
+import itertools
+import math
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -85,22 +88,54 @@ def test_a_request_someone_records_is_observed(never: Tracing) -> None:
         sdk.close(timeout_s=0.1)
 
 
-def test_at_ratio_0_a_request_without_observed_headers_is_left_out_unseen(never: Tracing) -> None:
-    """`bare_left_out` lets the HTTP protocol skip `observe` for a request with none of the
-    observed headers: only at ratio 0 with the access log off, where `observe` leaves every
-    such request out."""
-    assert Observers(AccessLog(), never).bare_left_out
-    assert Observers(AccessLog(), never).observe("POST", "/p", OBSERVED, PEER, scope) is None
-    half = tracer(0.5)
+def test_ratio_only_lets_the_protocol_count_left_out_requests_down(never: Tracing) -> None:
+    """`ratio_only` lets the HTTP protocol count a request with none of the observed headers
+    down itself (`Tracing.roots_left_out`) in place of calling `observe`: only while tracing
+    alone is on at a ratio of the server's. At ratio 0 the count never ends."""
+    observers = Observers(AccessLog(), never)
+    assert observers.ratio_only and never.roots_left_out == sys.maxsize
+    assert observers.observe("POST", "/p", OBSERVED, PEER, scope) is None
+    assert never.roots_left_out == sys.maxsize - 1  # `observe` counts down the same count
+    half, sdk = tracer(0.5), tracer(None)
     access = AccessLog("stderr")
     try:
-        assert not Observers(AccessLog(), half).bare_left_out  # half the roots are kept
-        assert not Observers(access, never).bare_left_out  # every request has its line
+        assert Observers(AccessLog(), half).ratio_only
+        assert not Observers(access, never).ratio_only  # every request has its line
+        assert not Observers(AccessLog(), sdk).ratio_only and sdk.roots_left_out == 0
         off = Tracing()
-        assert not Observers(AccessLog(), off).bare_left_out and not off.enabled
+        assert not Observers(AccessLog(), off).ratio_only and not off.enabled
     finally:
         access.close()
         half.close(timeout_s=0.1)
+        sdk.close(timeout_s=0.1)
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5, 0.9])
+def test_the_ratio_drawn_in_advance_keeps_each_root_at_the_ratio(ratio: float) -> None:
+    """The gaps between kept roots are geometric (one draw a kept root, not one a root): the
+    share kept is the ratio, and a root is kept as often right after a kept one as anywhere
+    (the draws of a request do not depend on the one before)."""
+    tracing = tracer(ratio)
+    try:
+        draws = 40_000
+        kept = [not tracing.leaves_out_root() for _ in range(draws)]
+        # a binomial count: within 5 standard deviations of the ratio's expectation
+        spread = 5 * math.sqrt(draws * ratio * (1 - ratio))
+        assert abs(sum(kept) - draws * ratio) <= spread, (sum(kept), draws * ratio)
+        after_kept = [b for a, b in itertools.pairwise(kept) if a]
+        spread = 5 * math.sqrt(ratio * (1 - ratio) / len(after_kept))
+        assert abs(sum(after_kept) / len(after_kept) - ratio) <= spread
+    finally:
+        tracing.close(timeout_s=0.1)
+
+
+def test_ratio_1_keeps_every_root() -> None:
+    always = tracer(1.0)
+    try:
+        assert not any(always.leaves_out_root() for _ in range(100))
+        assert always.roots_left_out == 0
+    finally:
+        always.close(timeout_s=0.1)
 
 
 def test_an_observation_reads_only_the_headers_it_names() -> None:
